@@ -1,0 +1,131 @@
+"""Worker configuration: the one contract between the operator and the workers.
+
+The operator renders a `ServingConfig` into the ConfigMap mounted at /etc/splitserve/config.yaml;
+every worker process (`splitserve prefill|decode|colocated|router --config FILE`) loads it back.
+Local mode builds the same object in memory. Pure data: no torch, no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_PATH_IN_POD = "/etc/splitserve/config.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass
+class ModelSettings:
+    path: str = ""  # local Hugging Face-format directory
+    name: str = ""  # the name clients use in the OpenAI API ("model" field)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+
+@dataclass
+class PrefillSettings:
+    port: int = 50051
+    max_batch_tokens: int = 8192  # prefill token budget per forward pass
+    kv_cache_memory_bytes: int = 512 << 20
+
+
+@dataclass
+class DecodeSettings:
+    port: int = 50052
+    max_batch_size: int = 128  # sequences per decode iteration (configured limit)
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_bytes: int = 1 << 30
+    reservation_lease_seconds: float = 30.0  # blocks of a transfer that never completes are freed
+
+
+@dataclass
+class RouterSettings:
+    port: int = 8000
+    discovery: str = "static"  # static | dns
+    prefill_endpoints: list[str] = field(default_factory=list)  # static: host:port
+    decode_endpoints: list[str] = field(default_factory=list)
+    prefill_service: str = ""  # dns: headless Service host:port
+    decode_service: str = ""
+    prefill_policy: str = "least_queued_tokens"
+    decode_policy: str = "most_free_blocks"
+    max_request_bytes: int = 4 << 20
+
+
+@dataclass
+class SLOSettings:
+    ttft_seconds: float = 0.5
+    tpot_seconds: float = 0.05
+    percentile: float = 95.0
+
+
+@dataclass
+class ServingConfig:
+    service: str = "local"
+    model: ModelSettings = field(default_factory=ModelSettings)
+    prefill: PrefillSettings = field(default_factory=PrefillSettings)
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    slo: SLOSettings = field(default_factory=SLOSettings)
+
+    def validate(self) -> None:
+        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"model.dtype: {self.model.dtype!r} is not one of auto, float32, bfloat16, float16"
+            )
+        checks: list[tuple[str, float, float]] = [
+            ("prefill.max_batch_tokens", self.prefill.max_batch_tokens, 1),
+            ("decode.max_batch_size", self.decode.max_batch_size, 1),
+            ("decode.block_size", self.decode.block_size, 1),
+            ("decode.reservation_lease_seconds", self.decode.reservation_lease_seconds, 0.1),
+            ("slo.ttft_seconds", self.slo.ttft_seconds, 1e-6),
+            ("slo.tpot_seconds", self.slo.tpot_seconds, 1e-6),
+        ]
+        for name, value, minimum in checks:
+            if value < minimum:
+                raise ConfigError(f"{name}: {value} is below the minimum {minimum}")
+        if not 0 < self.slo.percentile < 100:
+            raise ConfigError(f"slo.percentile: {self.slo.percentile} must be in (0, 100)")
+        if self.router.discovery not in ("static", "dns"):
+            raise ConfigError(f"router.discovery: {self.router.discovery!r} is not static or dns")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServingConfig:
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in (data or {}).items():
+            if key not in sections:
+                raise ConfigError(f"{key}: unknown configuration section")
+            if key == "service":
+                kwargs[key] = str(value)
+                continue
+            section_type = type(getattr(cls(), key))
+            allowed = {f.name for f in dataclasses.fields(section_type)}
+            unknown = set(value or {}) - allowed
+            if unknown:
+                raise ConfigError(f"{key}.{sorted(unknown)[0]}: unknown field")
+            kwargs[key] = section_type(**(value or {}))
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_yaml(cls, text: str) -> ServingConfig:
+        return cls.from_dict(yaml.safe_load(text) or {})
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServingConfig:
+        return cls.from_yaml(Path(path).read_text())
