@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Generates the Python gRPC stubs for protos/splitserve/v1/*.proto into
+# workers/splitserve_workers/proto/ (imported as `from splitserve_workers.proto import serving_pb2`).
+# `--check` regenerates into a temporary directory and fails if the committed stubs differ (CI).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  py="$(bash "$root/hack/venv.sh")/bin/python"
+fi
+dest="$root/workers/splitserve_workers/proto"
+check=0
+if [ "${1:-}" = "--check" ]; then
+  check=1
+fi
+
+gen() {  # gen OUTDIR: writes the package's files into OUTDIR
+  local out=$1 tmp
+  tmp=$(mktemp -d)
+  (cd "$root/protos" && "$py" -m grpc_tools.protoc -I . \
+    --python_out="$tmp" --pyi_out="$tmp" --grpc_python_out="$tmp" splitserve/v1/*.proto)
+  mkdir -p "$out"
+  for f in "$tmp"/splitserve/v1/*.py "$tmp"/splitserve/v1/*.pyi; do
+    # protoc writes absolute imports rooted at the proto path (`from splitserve.v1 import x`);
+    # the stubs live inside splitserve_workers.proto, so make them package-relative.
+    sed -E 's/^from splitserve\.v1 import /from . import /' "$f" > "$out/$(basename "$f")"
+  done
+  cat > "$out/__init__.py" <<'PY'
+"""Generated gRPC stubs for protos/splitserve/v1 (hack/gen-protos.sh writes them; do not edit)."""
+PY
+  rm -rf "$tmp"
+}
+
+if [ $check -eq 1 ]; then
+  tmp_out=$(mktemp -d)
+  trap 'rm -rf "$tmp_out"' EXIT
+  gen "$tmp_out"
+  if ! diff -ru --exclude=__pycache__ "$dest" "$tmp_out"; then
+    echo "protobuf stubs are stale: run hack/gen-protos.sh" >&2
+    exit 1
+  fi
+  echo "protobuf stubs are current"
+else
+  rm -f "$dest"/*_pb2.py "$dest"/*_pb2.pyi "$dest"/*_pb2_grpc.py
+  gen "$dest"
+  echo "wrote $dest"
+fi
