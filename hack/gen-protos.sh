@@ -4,9 +4,15 @@
 # `--check` regenerates into a temporary directory and fails if the committed stubs differ (CI).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# The Python that has grpc_tools: $PYTHON, else `python` on PATH (`make protos` puts the venv
+# first), else the project venv.
 py=${PYTHON:-}
 if [ -z "$py" ]; then
-  py="$(bash "$root/hack/venv.sh")/bin/python"
+  if command -v python >/dev/null && python -c 'import grpc_tools' 2>/dev/null; then
+    py=python
+  else
+    py="$(bash "$root/hack/venv.sh")/bin/python"
+  fi
 fi
 dest="$root/workers/splitserve_workers/proto"
 check=0
