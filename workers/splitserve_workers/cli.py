@@ -10,6 +10,8 @@ import sys
 
 # name -> (module, one-line help). Order is the order `splitserve --help` shows.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "router": ("splitserve_workers.router.app", "OpenAI-compatible router in front of the pools."),
+    "up": ("splitserve_workers.local", "Run router + prefill/decode pools locally (local mode)."),
 }
 
 
