@@ -1,0 +1,209 @@
+"""The router's pure parts: request validation (every bad field named), incremental
+detokenization with stop strings, the picking policies, and discovery (static and real DNS)."""
+
+from __future__ import annotations
+
+import pytest
+from splitserve_workers.router import openai_api as api
+from splitserve_workers.router.detok import IncrementalDetokenizer
+from splitserve_workers.router.discovery import DnsDiscovery, StaticDiscovery, split_endpoints
+from splitserve_workers.router.picking import WorkerLoad, choose
+
+# ---- detokenization -----------------------------------------------------------------------
+
+
+class ByteDecoder:
+    """Token i is byte i: multi-byte characters span several tokens, like byte-level BPE."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def feed(detok: IncrementalDetokenizer, text: str, per_event: int = 1) -> list[str]:
+    ids = list(text.encode())
+    out = []
+    for i in range(0, len(ids), per_event):
+        out.append(detok.add(ids[i:i + per_event]))
+    out.append(detok.finish())
+    return out
+
+
+def test_detok_never_splits_a_character() -> None:
+    text = "héllo wörld ✓ 你好"
+    deltas = feed(IncrementalDetokenizer(ByteDecoder()), text)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("per_event", [1, 2, 5])
+def test_detok_trims_stop_string_spanning_events(per_event: int) -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["STOP", "\n\n"])
+    deltas = feed(detok, "abc ST and STOP more", per_event)
+    assert "".join(deltas) == "abc ST and "
+    assert detok.stopped
+    assert detok.text == "abc ST and "
+
+
+def test_detok_holds_back_only_possible_stop_prefixes() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["xyz"])
+    assert detok.add(list(b"abx")) == "ab"  # "x" could start "xyz"
+    assert detok.add(list(b"q")) == "xq"  # it did not
+    assert detok.finish() == ""
+
+
+def test_detok_releases_held_text_at_the_end() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["xyz"])
+    assert detok.add(list(b"abxy")) == "ab"
+    assert detok.finish() == "xy"
+    assert not detok.stopped
+
+
+def test_detok_skips_eos_ids() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), skip_ids=[0])
+    assert detok.add([104, 105, 0]) == "hi"
+
+
+# ---- request parsing ----------------------------------------------------------------------
+
+
+def error_of(fn, body: dict, header: str | None = None) -> api.APIError:  # type: ignore[no-untyped-def]
+    with pytest.raises(api.APIError) as info:
+        fn(body, header)
+    return info.value
+
+
+def test_completion_defaults_and_fields() -> None:
+    req = api.parse_completion({"prompt": "hi", "max_tokens": 5, "temperature": 0,
+                                "stop": "x", "seed": 3, "stream": True,
+                                "stream_options": {"include_usage": True}, "n": 1,
+                                "user": "u"})
+    assert (req.prompt, req.max_tokens, req.temperature, req.stop, req.seed) == (
+        "hi", 5, 0.0, ["x"], 3)
+    assert req.stream and req.include_usage and req.priority == "interactive"
+    assert api.parse_completion({"prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
+    assert api.parse_completion({"prompt": ["one"]}).prompt == "one"
+    assert api.parse_completion({"prompt": "x"}).max_tokens == 16
+
+
+def test_priority_from_body_or_header() -> None:
+    assert api.parse_chat({"messages": [{"role": "user", "content": "x"}],
+                           "priority": "background"}).priority == "background"
+    assert api.parse_completion({"prompt": "x"}, "Background").priority == "background"
+    err = error_of(api.parse_completion, {"prompt": "x"}, "urgent")
+    assert err.param == api.PRIORITY_HEADER
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "invalid_type"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"prompt": "x", "temperature": 3}, "temperature", "invalid_value"),
+        ({"prompt": "x", "temperature": True}, "temperature", "invalid_type"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
+        ({"prompt": "x", "n": 2}, "n", "unsupported_parameter"),
+        ({"prompt": "x", "logprobs": 3}, "logprobs", "unsupported_parameter"),
+        ({"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({"prompt": "x", "stop": [1]}, "stop", "invalid_type"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+         "invalid_value"),
+        ({"prompt": 5}, "prompt", "invalid_type"),
+        ({"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
+        ({"prompt": ""}, "prompt", "invalid_value"),
+        ({}, "prompt", "missing_required_parameter"),
+        ({"prompt": "x", "priority": "now"}, "priority", "invalid_value"),
+        ({"prompt": "x", "seed": 1.5}, "seed", "invalid_type"),
+    ],
+)
+def test_completion_errors_name_the_param(body: dict, param: str, code: str) -> None:
+    err = error_of(api.parse_completion, body)
+    assert err.status == 400
+    assert err.param == param
+    assert err.code == code
+    assert param.split(".")[0] in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+         "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    ],
+)
+def test_chat_errors_name_the_param(body: dict, param: str) -> None:
+    err = error_of(api.parse_chat, body)
+    assert err.status == 400 and err.param == param
+
+
+def test_chat_content_parts_are_flattened() -> None:
+    req = api.parse_chat({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 7})
+    assert req.messages == [{"role": "user", "content": "ab"}]
+    assert req.max_tokens == 7
+
+
+def test_json_body_errors() -> None:
+    with pytest.raises(api.APIError) as info:
+        api.parse_json_body(b"{not json")
+    assert info.value.status == 400 and info.value.code == "invalid_json"
+    with pytest.raises(api.APIError):
+        api.parse_json_body(b"[1, 2]")
+
+
+# ---- picking ------------------------------------------------------------------------------
+
+
+def test_prefill_picks_least_queued_tokens_and_counts_pending() -> None:
+    a = WorkerLoad("a:1", healthy=True, queued_tokens=100)
+    b = WorkerLoad("b:1", healthy=True, queued_tokens=50)
+    assert choose([a, b], "least_queued_tokens") is b
+    b.pending_tokens = 80  # this router already sent b work since the last report
+    assert choose([a, b], "least_queued_tokens") is a
+
+
+def test_decode_picks_most_free_blocks_skipping_unhealthy_draining_excluded() -> None:
+    a = WorkerLoad("a:1", healthy=True, free_blocks=10)
+    b = WorkerLoad("b:1", healthy=True, free_blocks=90, draining=True)
+    c = WorkerLoad("c:1", healthy=False, free_blocks=99)
+    d = WorkerLoad("d:1", healthy=True, free_blocks=50)
+    assert choose([a, b, c, d], "most_free_blocks") is d
+    assert choose([a, b, c, d], "most_free_blocks", exclude={"d:1"}) is a
+    assert choose([b, c], "most_free_blocks") is None
+
+
+def test_round_robin_and_unknown_policy() -> None:
+    ws = [WorkerLoad("a:1", healthy=True), WorkerLoad("b:1", healthy=True)]
+    picked = {choose(ws, "round_robin", counter=i).endpoint for i in range(4)}  # type: ignore[union-attr]
+    assert picked == {"a:1", "b:1"}
+    with pytest.raises(ValueError, match="policy"):
+        choose(ws, "fastest")
+
+
+# ---- discovery ----------------------------------------------------------------------------
+
+
+async def test_static_discovery() -> None:
+    d = StaticDiscovery(prefill=["a:1"], decode=["b:2", "c:3"])
+    assert await d.endpoints("decode") == ["b:2", "c:3"]
+    assert d.roles() == ["prefill", "decode"]
+    with pytest.raises(ValueError, match="host:port"):
+        split_endpoints("a:1,nohost")
+
+
+async def test_dns_discovery_resolves_a_records() -> None:
+    d = DnsDiscovery({"prefill": "localhost:5000", "decode": "localhost:6000"})
+    assert await d.endpoints("prefill") == ["127.0.0.1:5000"]
+    assert await d.endpoints("colocated") == []
+    # A name that does not resolve keeps the last good answer (a DNS hiccup keeps the pool).
+    d._services["prefill"] = "no-such-host.invalid:5000"
+    assert await d.endpoints("prefill") == ["127.0.0.1:5000"]

@@ -1,0 +1,546 @@
+"""The router process: an aiohttp app serving the OpenAI API (/v1/completions,
+/v1/chat/completions, /v1/models) plus /health, /ready and /metrics on one port, and the
+`splitserve router` command. It holds the tokenizer only (no weights): openai_api.py parses,
+flow.py drives the workers picked by picking.py, detok.py turns tokens into text."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from splitserve_workers.config import ServingConfig
+from splitserve_workers.metrics import RouterMetrics, router_metrics
+from splitserve_workers.proto import serving_pb2
+from splitserve_workers.router import openai_api as api
+from splitserve_workers.router.detok import IncrementalDetokenizer
+from splitserve_workers.router.discovery import (
+    Discovery,
+    DnsDiscovery,
+    StaticDiscovery,
+    split_endpoints,
+)
+from splitserve_workers.router.flow import Flow, FlowError, FlowRequest, FlowSettings, TokenChunk
+from splitserve_workers.router.picking import WorkerPool
+
+log = logging.getLogger("splitserve.router")
+
+_PRIORITY = {
+    "interactive": serving_pb2.PRIORITY_INTERACTIVE,
+    "background": serving_pb2.PRIORITY_BACKGROUND,
+}
+
+
+@dataclass
+class RouterOptions:
+    model_name: str
+    model_dir: str
+    max_model_len: int
+    service: str = "local"
+    discovery: Discovery = field(default_factory=StaticDiscovery)
+    prefill_policy: str = "least_queued_tokens"
+    decode_policy: str = "most_free_blocks"
+    colocated_policy: str = "least_loaded"
+    max_request_bytes: int = 4 << 20
+    poll_interval: float = 0.5
+    flow: FlowSettings = field(default_factory=FlowSettings)
+    drain_timeout: float = 30.0
+
+
+def model_max_len(model_dir: str) -> int:
+    """The context limit from the model's config.json (what the workers' engines also use)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+        if isinstance(cfg.get(key), int):
+            return int(cfg[key])
+    raise ValueError(f"{model_dir}/config.json has no max_position_embeddings")
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    # Only the tokenizer module of the engine: the router never loads weights.
+    from splitserve_workers.engine.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+class Router:
+    def __init__(self, options: RouterOptions, tokenizer: Any) -> None:
+        self.options = options
+        self.tokenizer = tokenizer
+        self.registry = CollectorRegistry()
+        self.metrics: RouterMetrics = router_metrics(self.registry)
+        self.labels = {"service": options.service, "pool": "router", "model": options.model_name}
+        roles = options.discovery.roles()
+        self.colocated = "colocated" in roles
+        if self.colocated and ("prefill" in roles or "decode" in roles):
+            raise ValueError("a router fronts either a colocated pool or prefill+decode pools")
+        if not self.colocated and not {"prefill", "decode"} <= set(roles):
+            raise ValueError("the router needs prefill and decode endpoints (or colocated ones)")
+        poll = options.poll_interval
+        self.pools: dict[str, WorkerPool] = {}
+        if self.colocated:
+            self.pools["colocated"] = WorkerPool("colocated", options.discovery,
+                                                 options.colocated_policy, poll)
+        else:
+            self.pools["prefill"] = WorkerPool("prefill", options.discovery,
+                                               options.prefill_policy, poll)
+            self.pools["decode"] = WorkerPool("decode", options.discovery,
+                                              options.decode_policy, poll)
+        self.created = api.now()
+        self.in_flight = 0
+        self.draining = False
+        self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        # The body limit is enforced by aiohttp while reading; the handler turns the overflow
+        # into an OpenAI-style 413.
+        app = web.Application(client_max_size=self.options.max_request_bytes,
+                              middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/debug/workers", self.workers)
+        app.on_startup.append(self._start_pools)
+        app.on_cleanup.append(self._close_pools)
+        return app
+
+    async def _start_pools(self, _app: web.Application) -> None:
+        for pool in self.pools.values():
+            await pool.start()
+
+    async def _close_pools(self, _app: web.Application) -> None:
+        for pool in self.pools.values():
+            await pool.close()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except api.APIError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
+            err = api.APIError(e.status, e.reason, code=code)
+            return web.json_response(err.body(), status=e.status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # a bug must still answer in the API's shape
+            log.exception("unhandled error on %s", request.path)
+            err = api.APIError(500, f"internal error: {type(e).__name__}: {e}",
+                               code="internal_error")
+            return web.json_response(err.body(), status=500)
+
+    # ---- plain endpoints -------------------------------------------------------------------
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response(api.models_response(
+            self.options.model_name, self.created, self.options.max_model_len))
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        pools = {role: pool.ready() for role, pool in self.pools.items()}
+        ok = all(pools.values()) and not self.draining
+        return web.json_response({"ready": ok, "draining": self.draining, "pools": pools},
+                                 status=200 if ok else 503)
+
+    async def metrics_endpoint(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def workers(self, _request: web.Request) -> web.Response:
+        return web.json_response({role: p.snapshot() for role, p in self.pools.items()})
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.options.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise api.APIError(413, f"request body is {request.content_length} bytes; the limit "
+                                    f"is {limit} bytes (router.max_request_bytes)",
+                               code="request_too_large")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as e:
+            raise api.APIError(413, f"request body exceeds the limit of {limit} bytes "
+                                    "(router.max_request_bytes)", code="request_too_large") from e
+
+    def _prompt_ids(self, req: api.GenerationRequest) -> tuple[list[int], str]:
+        """Token ids and the prompt text (for echo)."""
+        if req.kind == "chat":
+            assert req.messages is not None
+            try:
+                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            except Exception as e:  # a template may reject a message order (raise_exception)
+                raise api.invalid("messages", f"chat template rejected the messages: {e}") from e
+            # The template writes its own BOS.
+            return self.tokenizer.encode(text, add_special_tokens=False), text
+        if req.prompt_token_ids is not None:
+            if self.vocab_size is not None:
+                bad = [t for t in req.prompt_token_ids if t >= self.vocab_size]
+                if bad:
+                    raise api.invalid("prompt", f"token id {bad[0]} is out of the vocabulary "
+                                                f"(size {self.vocab_size})")
+            return list(req.prompt_token_ids), self.tokenizer.decode(req.prompt_token_ids)
+        assert req.prompt is not None
+        return self.tokenizer.encode(req.prompt, add_special_tokens=True), req.prompt
+
+    def _check_length(self, req: api.GenerationRequest, n_prompt: int) -> int:
+        limit = self.options.max_model_len
+        if n_prompt >= limit:
+            raise api.APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{req.prompt_param} has {n_prompt} tokens, leaving no room for the completion. "
+                f"Please shorten the {req.prompt_param}.",
+                param=req.prompt_param, code="context_length_exceeded",
+            )
+        if req.max_tokens is None:
+            return limit - n_prompt
+        if n_prompt + req.max_tokens > limit:
+            raise api.APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {req.prompt_param}, "
+                f"{req.max_tokens} for the completion). Please reduce the length of the "
+                f"{req.prompt_param} or max_tokens.",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return req.max_tokens
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        arrival = time.monotonic()
+        status = "rejected"
+        self.in_flight += 1
+        self.metrics.requests_in_flight.labels(**self.labels).inc()
+        try:
+            if self.draining:
+                raise api.APIError(503, "the router is shutting down", code="draining")
+            body = api.parse_json_body(await self._read_body(request))
+            header_priority = request.headers.get(api.PRIORITY_HEADER)
+            req = (api.parse_chat if kind == "chat" else api.parse_completion)(
+                body, header_priority)
+            if req.model and req.model != self.options.model_name:
+                raise api.APIError(404, f"The model '{req.model}' does not exist; this server "
+                                        f"serves '{self.options.model_name}'",
+                                   param="model", code="model_not_found")
+            prompt_ids, prompt_text = self._prompt_ids(req)
+            max_tokens = self._check_length(req, len(prompt_ids))
+            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            sampling = serving_pb2.SamplingParams(
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                max_tokens=max_tokens, stop_token_ids=req.stop_token_ids, stop=req.stop,
+                ignore_eos=req.ignore_eos,
+            )
+            if req.seed is not None:
+                sampling.seed = req.seed
+            flow = Flow(
+                FlowRequest(rid, prompt_ids, sampling, _PRIORITY[req.priority],
+                            [] if req.ignore_eos else self.eos_token_ids),
+                self.options.flow,
+                prefill=self.pools.get("prefill"), decode=self.pools.get("decode"),
+                colocated=self.pools.get("colocated"),
+            )
+            run = _Run(self, req, flow, rid, prompt_ids, prompt_text, arrival)
+            try:
+                response = await (run.stream(request) if req.stream else run.complete())
+                status = run.status
+                return response
+            finally:
+                status = run.status
+                run.record()
+        except FlowError as e:
+            status = "rejected" if e.code == "no_capacity" else "error"
+            raise api.APIError(e.status, e.message, code=e.code) from e
+        except asyncio.CancelledError:
+            status = "abort"
+            raise
+        finally:
+            self.in_flight -= 1
+            self.metrics.requests_in_flight.labels(**self.labels).dec()
+            self.metrics.requests.labels(**self.labels, status=status).inc()
+
+
+class _Run:
+    """One generation request at the edge: consumes the flow, detokenizes, writes the answer,
+    and keeps the timestamps the edge metrics come from."""
+
+    def __init__(self, router: Router, req: api.GenerationRequest, flow: Flow, rid: str,
+                 prompt_ids: list[int], prompt_text: str, arrival: float) -> None:
+        self.router = router
+        self.req = req
+        self.flow = flow
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.arrival = arrival
+        self.created = api.now()
+        self.model = router.options.model_name
+        self.detok = IncrementalDetokenizer(
+            router.tokenizer, req.stop, [] if req.ignore_eos else router.eos_token_ids)
+        self.token_times: list[tuple[float, int]] = []  # (arrival at router, tokens in event)
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.status = "abort"  # until proven otherwise: a cancelled run is an abort
+
+    async def _chunks(self) -> AsyncIterator[tuple[str, str | None]]:
+        """(text delta, finish_reason or None) per worker event; the last has a reason."""
+        tokens = self.flow.tokens()
+        try:
+            async for chunk in tokens:
+                self._observe(chunk)
+                text = self.detok.add(chunk.token_ids)
+                if self.detok.stopped:
+                    self.finish_reason = "stop"
+                    yield text, "stop"
+                    return  # closing `tokens` aborts the rest on the workers
+                if chunk.finished:
+                    self.finish_reason = chunk.finish_reason or "stop"
+                    yield text + self.detok.finish(), self.finish_reason
+                    return
+                if text:
+                    yield text, None
+        finally:
+            await tokens.aclose()  # type: ignore[attr-defined]
+
+    def _observe(self, chunk: TokenChunk) -> None:
+        if chunk.token_ids:
+            self.token_times.append((time.monotonic(), len(chunk.token_ids)))
+            self.num_tokens += len(chunk.token_ids)
+
+    def usage(self) -> dict[str, Any]:
+        return api.usage(len(self.prompt_ids), self.num_tokens, self.flow.stats.num_cached_tokens)
+
+    async def complete(self) -> web.Response:
+        parts: list[str] = [self.prompt_text] if self.req.echo else []
+        async for text, _reason in self._chunks():
+            parts.append(text)
+        self.status = "ok"
+        text = "".join(parts)
+        build = api.chat_response if self.req.kind == "chat" else api.completion_response
+        return web.json_response(build(self.rid, self.model, self.created, text,
+                                       self.finish_reason, self.usage()))
+
+    def _chunk(self, text: str, reason: str | None, first: bool = False) -> dict[str, Any]:
+        if self.req.kind == "chat":
+            delta: dict[str, Any] = {"content": text} if text or not reason else {}
+            if first:
+                delta = {"role": "assistant", "content": text}
+            return api.chat_chunk(self.rid, self.model, self.created, delta, reason)
+        return api.completion_chunk(self.rid, self.model, self.created, text, reason)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        chunks = self._chunks()
+        response: web.StreamResponse | None = None
+        try:
+            # Wait for the first token before answering: an error before it (no capacity,
+            # every prefill failed) is still a plain HTTP error with the right status.
+            first = await anext(chunks, None)
+            response = web.StreamResponse(headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Request-Id": self.rid,
+            })
+            await response.prepare(request)
+            pending = [first] if first is not None else []
+            is_first = True
+            try:
+                while True:
+                    if pending:
+                        text, reason = pending.pop()
+                    else:
+                        item = await anext(chunks, None)
+                        if item is None:
+                            break
+                        text, reason = item
+                    if is_first and self.req.echo:
+                        text = self.prompt_text + text
+                    if text or reason or is_first:
+                        await response.write(api.sse(self._chunk(text, reason, is_first)))
+                    is_first = False
+                    if reason:
+                        break
+            except FlowError as e:
+                # Tokens already went out: the status line is sent, so the error is an event.
+                self.status = "error"
+                err = api.APIError(e.status, e.message, code=e.code)
+                await response.write(api.sse(err.body()))
+                await response.write(api.sse("[DONE]"))
+                return response
+            if self.req.include_usage:
+                await response.write(api.sse(api.usage_chunk(
+                    self.rid, self.model, self.created, self.req.kind, self.usage())))
+            await response.write(api.sse("[DONE]"))
+            self.status = "ok"
+            return response
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.status = "abort"
+            raise
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+    def record(self) -> None:
+        """Edge metrics for this request (whatever its outcome)."""
+        m = self.router.metrics
+        labels = self.router.labels
+        m.prompt_tokens.labels(**labels).inc(len(self.prompt_ids))
+        if self.num_tokens:
+            m.generation_tokens.labels(**labels).inc(self.num_tokens)
+        stats = self.flow.stats
+        if stats.decode_admission_seconds is not None:
+            m.decode_admission.labels(**labels).observe(stats.decode_admission_seconds)
+        if stats.prefill_queue_seconds is not None:
+            m.prefill_queue.labels(**labels).observe(stats.prefill_queue_seconds)
+        if stats.prefill_compute_seconds is not None:
+            m.prefill_compute.labels(**labels).observe(stats.prefill_compute_seconds)
+        if stats.kv_transfer_seconds is not None:
+            m.kv_transfer.labels(**labels).observe(stats.kv_transfer_seconds)
+            m.kv_transfer_bytes.labels(**labels).inc(stats.kv_transfer_bytes)
+        if not self.token_times:
+            return
+        first_time = self.token_times[0][0]
+        m.ttft.labels(**labels).observe(first_time - self.arrival)
+        prev = first_time
+        for t, n in self.token_times[1:]:
+            # An event carrying several tokens spreads its gap over them.
+            for _ in range(n):
+                m.itl.labels(**labels).observe((t - prev) / n)
+            prev = t
+        if self.status == "ok":
+            last_time = self.token_times[-1][0]
+            m.e2e.labels(**labels).observe(last_time - self.arrival)
+            if self.num_tokens > 1:
+                m.tpot.labels(**labels).observe((last_time - first_time) / (self.num_tokens - 1))
+
+
+# ---- the `splitserve router` command --------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="ServingConfig YAML (flags override it)")
+    parser.add_argument("--port", type=int, help="HTTP port (0 = pick a free one)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--model", help="model directory (the router loads its tokenizer only)")
+    parser.add_argument("--model-name", help="name clients pass as 'model' (default: dir name)")
+    parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    parser.add_argument("--service", help="service label on metrics (default: config's)")
+    parser.add_argument("--prefill", help="prefill endpoints host:port,... (dns: the Service)")
+    parser.add_argument("--decode", help="decode endpoints host:port,... (dns: the Service)")
+    parser.add_argument("--colocated", help="colocated endpoints host:port,... (instead of "
+                                            "prefill+decode; dns: the Service)")
+    parser.add_argument("--discovery", choices=("static", "dns"))
+    parser.add_argument("--prefill-policy", choices=("least_queued_tokens", "round_robin",
+                                                     "random"))
+    parser.add_argument("--decode-policy", choices=("most_free_blocks", "round_robin", "random"))
+    parser.add_argument("--colocated-policy", default="least_loaded",
+                        choices=("least_loaded", "most_free_blocks", "round_robin", "random"))
+    parser.add_argument("--max-request-bytes", type=int)
+    parser.add_argument("--poll-interval", type=float, default=0.5,
+                        help="seconds between Load polls of each worker")
+    parser.add_argument("--admission-timeout", type=float, default=30.0,
+                        help="seconds a request may wait for free KV blocks on a decode worker")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let in-flight requests finish")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
+    config = ServingConfig.load(args.config) if args.config else ServingConfig()
+    rs = config.router
+    model_dir = args.model or config.model.path
+    if not model_dir:
+        raise SystemExit("splitserve router: --model (or model.path in --config) is required")
+    discovery_kind = args.discovery or rs.discovery
+    prefill = args.prefill if args.prefill is not None else (
+        rs.prefill_service if discovery_kind == "dns" else rs.prefill_endpoints)
+    decode = args.decode if args.decode is not None else (
+        rs.decode_service if discovery_kind == "dns" else rs.decode_endpoints)
+    discovery: Discovery
+    try:
+        if discovery_kind == "dns":
+            discovery = DnsDiscovery({"prefill": prefill or "", "decode": decode or "",
+                                      "colocated": args.colocated or ""})
+        else:
+            discovery = StaticDiscovery(split_endpoints(prefill), split_endpoints(decode),
+                                        split_endpoints(args.colocated))
+    except ValueError as e:
+        raise SystemExit(f"splitserve router: {e}") from e
+    name = args.model_name or config.model.name or Path(model_dir).name
+    max_len = args.max_model_len or config.model.max_model_len or model_max_len(model_dir)
+    options = RouterOptions(
+        model_name=name, model_dir=model_dir, max_model_len=max_len,
+        service=args.service or config.service, discovery=discovery,
+        prefill_policy=args.prefill_policy or rs.prefill_policy,
+        decode_policy=args.decode_policy or rs.decode_policy,
+        colocated_policy=args.colocated_policy,
+        max_request_bytes=args.max_request_bytes or rs.max_request_bytes,
+        poll_interval=args.poll_interval,
+        flow=FlowSettings(admission_timeout_seconds=args.admission_timeout),
+        drain_timeout=args.drain_timeout,
+    )
+    port = args.port if args.port is not None else rs.port
+    return options, port
+
+
+async def serve(router: Router, host: str, port: int,
+                stop: asyncio.Event | None = None) -> None:
+    """Serves until SIGTERM/SIGINT (or `stop`), then drains in-flight requests."""
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    print(f"READY role=router port={bound}", flush=True)
+    log.info("router serving %s on %s:%d", router.options.model_name, host, bound)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    router.draining = True
+    deadline = time.monotonic() + router.options.drain_timeout
+    while router.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options, port = options_from_args(args)
+    try:
+        tokenizer = load_tokenizer(options.model_dir)
+        router = Router(options, tokenizer)
+    except ValueError as e:
+        raise SystemExit(f"splitserve router: {e}") from e
+    asyncio.run(serve(router, args.host, port))
+    return 0

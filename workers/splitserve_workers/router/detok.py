@@ -1,0 +1,98 @@
+"""Incremental detokenization for streaming: turns token ids arriving one event at a time into
+text deltas that never split a multi-byte character, and trims stop strings (text that might be
+the start of a stop string is held back until it is known not to be). Used by flow.py's callers
+in app.py; the tokenizer is anything with `decode(ids) -> str`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Feed token ids, get the new text. Decoding a short window of tokens rather than the whole
+    output keeps each step O(window); the window restarts where the last complete text ended, so
+    tokenizers that merge spaces or bytes across tokens still come out right."""
+
+    def __init__(self, tokenizer: Decoder, stop: Iterable[str] = (),
+                 skip_ids: Iterable[int] = ()) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = 0  # ids up to here have been turned into text
+        self._stop = [s for s in stop if s]
+        self._skip = set(skip_ids)
+        self._text = ""  # all text decoded so far
+        self._emitted = 0  # chars of _text already returned to the caller
+        self.stopped = False  # a stop string was found; nothing more will be emitted
+
+    def _decode_new(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset:])
+        # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the next token.
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return delta
+        return ""
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Returns the text that is safe to show now (may be empty)."""
+        if self.stopped:
+            return ""
+        for token_id in token_ids:
+            if token_id in self._skip:
+                continue
+            self._text += self._decode_new(token_id)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The generation ended: returns whatever was held back (minus a stop string)."""
+        if self.stopped:
+            return ""
+        # Flush a trailing incomplete character as the tokenizer renders it.
+        if self._read_offset < len(self._ids):
+            prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
+            full = self._tok.decode(self._ids[self._prefix_offset:])
+            self._text += full[len(prefix):]
+            self._read_offset = len(self._ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self._stop:
+            # A stop string can only start in text not yet shown: any tail that could begin
+            # one is held back until it is resolved.
+            hits = [i for s in self._stop if (i := self._text.find(s, self._emitted)) >= 0]
+            if hits:
+                cut = min(hits)
+                out = self._text[self._emitted:cut]
+                self._emitted = cut
+                self.stopped = True
+                return out
+        end = len(self._text)
+        if not final and self._stop:
+            end -= self._held_back()
+        out = self._text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string."""
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(self._text) - self._emitted), longest, -1):
+                if self._text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    @property
+    def text(self) -> str:
+        """All text shown so far."""
+        return self._text[:self._emitted]

@@ -1,0 +1,365 @@
+"""Drives one request through the workers and yields its tokens: reserve KV blocks on a decode
+worker, prefill on a prefill worker (which streams the KV straight to that decode worker), then
+stream the decode worker's tokens. Retries a prefill that fails before the transfer is done on
+another worker, turns a dead decode stream into an error at once, and aborts on both pools when
+the caller stops early (client gone, stop string). A colocated pool is one Complete call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from splitserve_workers.proto import serving_pb2
+from splitserve_workers.router.picking import Worker, WorkerPool
+
+log = logging.getLogger("splitserve.router")
+
+
+class FlowError(Exception):
+    """The request cannot be served; `status` is the HTTP status the edge answers with."""
+
+    def __init__(self, status: int, message: str, code: str = "upstream_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass
+class TokenChunk:
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class FlowStats:
+    """Where the time to first token went (the stage split no single engine can see)."""
+
+    decode_admission_seconds: float | None = None
+    prefill_queue_seconds: float | None = None
+    prefill_compute_seconds: float | None = None
+    kv_transfer_seconds: float | None = None
+    kv_transfer_exposed_seconds: float | None = None
+    kv_transfer_bytes: int = 0
+    num_cached_tokens: int = 0
+    prefill_attempts: int = 0
+    prefill_endpoint: str = ""
+    decode_endpoint: str = ""
+
+
+@dataclass
+class FlowSettings:
+    max_prefill_attempts: int = 3
+    admission_timeout_seconds: float = 30.0  # waiting for a decode worker with free blocks
+    rpc_timeout_seconds: float = 5.0  # Reserve / Abort
+    abort_timeout_seconds: float = 2.0
+
+
+@dataclass
+class FlowRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: serving_pb2.SamplingParams
+    priority: int  # serving_pb2.Priority value
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+
+_background: set[asyncio.Task[Any]] = set()
+
+
+def _spawn(coro: Any) -> None:
+    """Fire-and-forget that survives the caller's cancellation (aborts must still be sent)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
+    try:
+        await worker.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=timeout)
+    except grpc.aio.AioRpcError as e:
+        log.debug("abort %s on %s: %s", request_id, worker.load.endpoint, e.code())
+
+
+def _rpc_reason(e: grpc.aio.AioRpcError) -> str:
+    return f"{e.code().name}: {e.details() or ''}".strip()
+
+
+class Flow:
+    """One request's path through the pools. Iterate `tokens()`; close it early to abort."""
+
+    def __init__(self, req: FlowRequest, settings: FlowSettings, *,
+                 prefill: WorkerPool | None = None, decode: WorkerPool | None = None,
+                 colocated: WorkerPool | None = None) -> None:
+        self.req = req
+        self.settings = settings
+        self.prefill = prefill
+        self.decode = decode
+        self.colocated = colocated
+        self.stats = FlowStats()
+        self._sent = 0  # tokens yielded
+
+    def tokens(self) -> AsyncIterator[TokenChunk]:
+        if self.colocated is not None:
+            return self._colocated()
+        return self._disaggregated()
+
+    # ---- stop conditions the router enforces itself --------------------------------------
+
+    def _finish_reason_at(self, token_id: int) -> str | None:
+        sampling = self.req.sampling
+        if not sampling.ignore_eos and token_id in self.req.eos_token_ids:
+            return "stop"
+        if token_id in sampling.stop_token_ids:
+            return "stop"
+        if self._sent >= self.req.max_tokens:
+            return "length"
+        return None
+
+    def _chunk(self, event: serving_pb2.TokenEvent) -> TokenChunk:
+        """Clips a worker's event to max_tokens / stop ids, so a worker that over-generates
+        cannot make the router over-answer."""
+        ids: list[int] = []
+        for token_id in event.token_ids:
+            ids.append(token_id)
+            self._sent += 1
+            reason = self._finish_reason_at(token_id)
+            if reason is not None:
+                return TokenChunk(ids, True, reason)
+        if event.finished:
+            reason = event.finish_reason or "stop"
+            if reason in ("error", "abort"):
+                raise FlowError(502, f"worker ended the request with {reason!r}")
+            return TokenChunk(ids, True, reason)
+        return TokenChunk(ids)
+
+    # ---- disaggregated -----------------------------------------------------------------
+
+    async def _reserve(self, worker_rid: str) -> Worker:
+        assert self.decode is not None
+        start = time.monotonic()
+        deadline = start + self.settings.admission_timeout_seconds
+        need = len(self.req.prompt_token_ids) + 1
+        last_reason = "no decode workers"
+        while True:
+            tried: set[str] = set()
+            while (worker := self.decode.pick(tried)) is not None:
+                tried.add(worker.load.endpoint)
+                block = worker.model.block_size or 0
+                if block and worker.load.total_blocks and \
+                        math.ceil(need / block) > worker.load.total_blocks:
+                    last_reason = (f"prompt needs {math.ceil(need / block)} KV blocks, "
+                                   f"decode worker has {worker.load.total_blocks}")
+                    continue
+                try:
+                    resp = await worker.stub.Reserve(
+                        serving_pb2.ReserveRequest(
+                            request_id=worker_rid, model=worker.model,
+                            num_prompt_tokens=len(self.req.prompt_token_ids),
+                            max_tokens=self.req.max_tokens, priority=self.req.priority,
+                        ),
+                        timeout=self.settings.rpc_timeout_seconds,
+                    )
+                except grpc.aio.AioRpcError as e:
+                    last_reason = f"{worker.load.endpoint}: {_rpc_reason(e)}"
+                    if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                        self.decode.mark_failed(worker.load.endpoint)
+                    continue
+                if resp.accepted:
+                    worker.load.free_blocks = resp.free_blocks
+                    worker.load.pending_blocks = 0
+                    worker.load.pending_requests += 1
+                    self.stats.decode_admission_seconds = time.monotonic() - start
+                    self.stats.decode_endpoint = worker.load.endpoint
+                    return worker
+                last_reason = f"{worker.load.endpoint}: {resp.reason}"
+                worker.load.free_blocks = resp.free_blocks
+                if resp.reason == "draining":
+                    worker.load.draining = True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FlowError(503, f"no decode worker admitted the request within "
+                                     f"{self.settings.admission_timeout_seconds:g}s "
+                                     f"({last_reason})", code="no_capacity")
+            # Full everywhere: wait for the next Load poll (blocks free up as requests end).
+            await self.decode.wait_for_change(min(remaining, 1.0))
+
+    async def _disaggregated(self) -> AsyncIterator[TokenChunk]:
+        assert self.prefill is not None and self.decode is not None
+        req = self.req
+        first: serving_pb2.FirstToken | None = None
+        decode: Worker | None = None
+        decode_done = False
+        prefill: Worker | None = None
+        prefill_call: Any = None
+        prefill_done = False
+        generate_call: Any = None
+        worker_rid = req.request_id
+        failed_prefill: set[str] = set()
+        try:
+            # ---- reserve + prefill, retried on another prefill worker ----
+            last_error = ""
+            while True:
+                attempt = self.stats.prefill_attempts
+                if attempt >= self.settings.max_prefill_attempts:
+                    raise FlowError(502, f"prefill failed on {attempt} worker(s): {last_error}")
+                # Each attempt gets its own id: leftovers of a failed one never collide.
+                worker_rid = req.request_id if attempt == 0 else f"{req.request_id}.r{attempt}"
+                decode = await self._reserve(worker_rid)
+                prefill = self.prefill.pick(failed_prefill)
+                if prefill is None and failed_prefill:
+                    prefill = self.prefill.pick()  # every worker failed once: try again anyway
+                if prefill is None:
+                    raise FlowError(503, "no prefill worker is available", code="no_capacity")
+                self.stats.prefill_attempts += 1
+                self.stats.prefill_endpoint = prefill.load.endpoint
+                prefill.load.pending_tokens += len(req.prompt_token_ids)
+                prefill.load.pending_requests += 1
+                prefill_done = False
+                prefill_call = prefill.stub.Prefill(serving_pb2.PrefillRequest(
+                    request_id=worker_rid, prompt_token_ids=req.prompt_token_ids,
+                    sampling=req.sampling, priority=req.priority,
+                    decode_endpoint=decode.load.endpoint, decode_model=decode.model,
+                ))
+                try:
+                    async for event in prefill_call:
+                        kind = event.WhichOneof("event")
+                        if kind == "first_token" and first is None:
+                            first = event.first_token
+                            self.stats.prefill_queue_seconds = first.queue_seconds
+                            self.stats.prefill_compute_seconds = first.compute_seconds
+                            self.stats.num_cached_tokens = first.num_cached_tokens
+                            chunk = self._chunk(serving_pb2.TokenEvent(token_ids=[first.token_id]))
+                            yield chunk
+                            if chunk.finished:
+                                return  # finally aborts the reservation and the transfer
+                        elif kind == "transfer_done":
+                            done = event.transfer_done
+                            self.stats.kv_transfer_seconds = done.transfer_seconds
+                            self.stats.kv_transfer_exposed_seconds = done.exposed_seconds
+                            self.stats.kv_transfer_bytes = done.bytes
+                            prefill_done = True
+                    if first is None or not prefill_done:
+                        raise FlowError(502, "prefill stream ended before the KV transfer was done")
+                    break
+                except (grpc.aio.AioRpcError, FlowError) as e:
+                    last_error = (f"{prefill.load.endpoint}: "
+                                  f"{_rpc_reason(e) if isinstance(e, grpc.aio.AioRpcError) else e}")
+                    log.warning("prefill attempt %d failed: %s", attempt + 1, last_error)
+                    failed_prefill.add(prefill.load.endpoint)
+                    if isinstance(e, grpc.aio.AioRpcError) and e.code() in (
+                        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                    ):
+                        self.prefill.mark_failed(prefill.load.endpoint)
+                    _spawn(_abort(prefill, worker_rid, self.settings.abort_timeout_seconds))
+                    _spawn(_abort(decode, worker_rid, self.settings.abort_timeout_seconds))
+                    prefill_done = True  # nothing left to abort for this attempt
+                    decode.load.pending_requests = max(0, decode.load.pending_requests - 1)
+                    decode = None
+            # ---- decode ----
+            assert first is not None and decode is not None
+            generate_call = decode.stub.Generate(serving_pb2.GenerateRequest(
+                request_id=worker_rid, prompt_token_ids=req.prompt_token_ids,
+                first_token=first.token_id, sampling=req.sampling, priority=req.priority,
+                first_token_logprob=first.logprob,
+            ))
+            try:
+                async for event in generate_call:
+                    chunk = self._chunk(event)
+                    if chunk.finished:
+                        decode_done = event.finished
+                    if chunk.token_ids or chunk.finished:
+                        yield chunk
+                    if chunk.finished:
+                        return
+            except grpc.aio.AioRpcError as e:
+                self.decode.mark_failed(decode.load.endpoint)
+                raise FlowError(502, f"decode worker {decode.load.endpoint} failed mid-stream: "
+                                     f"{_rpc_reason(e)}") from e
+            raise FlowError(502, f"decode worker {decode.load.endpoint} ended the stream "
+                                 "without finishing the request")
+        finally:
+            timeout = self.settings.abort_timeout_seconds
+            if prefill_call is not None and not prefill_done:
+                prefill_call.cancel()
+                if prefill is not None:
+                    _spawn(_abort(prefill, worker_rid, timeout))
+            if generate_call is not None and not decode_done:
+                generate_call.cancel()
+            if decode is not None:
+                decode.load.pending_requests = max(0, decode.load.pending_requests - 1)
+                if not decode_done:
+                    _spawn(_abort(decode, worker_rid, timeout))
+
+    # ---- colocated ---------------------------------------------------------------------
+
+    async def _colocated(self) -> AsyncIterator[TokenChunk]:
+        assert self.colocated is not None
+        req = self.req
+        failed: set[str] = set()
+        worker: Worker | None = None
+        call: Any = None
+        done = False
+        last_error = ""
+        try:
+            while True:
+                if len(failed) >= self.settings.max_prefill_attempts:
+                    raise FlowError(502, f"failed on {len(failed)} worker(s): {last_error}")
+                worker = self.colocated.pick(failed)
+                if worker is None:
+                    if failed:
+                        raise FlowError(502, f"every colocated worker failed: {last_error}")
+                    raise FlowError(503, "no colocated worker is available", code="no_capacity")
+                worker.load.pending_tokens += len(req.prompt_token_ids)
+                worker.load.pending_requests += 1
+                self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint
+                start = time.monotonic()
+                done = False
+                call = worker.stub.Complete(serving_pb2.CompleteRequest(
+                    request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                    sampling=req.sampling, priority=req.priority,
+                ))
+                got_token = False
+                try:
+                    async for event in call:
+                        if not got_token and event.token_ids:
+                            got_token = True
+                            self.stats.num_cached_tokens = event.num_cached_tokens
+                            self.stats.prefill_compute_seconds = time.monotonic() - start
+                        chunk = self._chunk(event)
+                        if chunk.finished:
+                            done = event.finished
+                        if chunk.token_ids or chunk.finished:
+                            yield chunk
+                        if chunk.finished:
+                            return
+                    raise FlowError(502, f"colocated worker {worker.load.endpoint} ended the "
+                                         "stream without finishing the request")
+                except grpc.aio.AioRpcError as e:
+                    last_error = f"{worker.load.endpoint}: {_rpc_reason(e)}"
+                    self.colocated.mark_failed(worker.load.endpoint)
+                    if got_token:
+                        raise FlowError(502, f"colocated worker failed mid-stream: "
+                                             f"{last_error}") from e
+                    failed.add(worker.load.endpoint)
+                    done = True  # the failed call has nothing left to abort
+        finally:
+            if worker is not None:
+                worker.load.pending_requests = max(0, worker.load.pending_requests - 1)
+            if call is not None and not done:
+                call.cancel()
+                if worker is not None:
+                    _spawn(_abort(worker, req.request_id, self.settings.abort_timeout_seconds))

@@ -1,0 +1,418 @@
+"""The OpenAI wire format at the router's edge: request parsing and validation (every bad field
+gets a 4xx naming it, never a 500), OpenAI-style error bodies, and the response / SSE chunk
+shapes for /v1/completions and /v1/chat/completions. Pure data; app.py does the HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PRIORITY_HEADER = "x-splitserve-priority"
+PRIORITIES = ("interactive", "background")
+MAX_STOP_STRINGS = 4
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """A request the router answers with an OpenAI-style error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        if type is None:
+            type = "invalid_request_error" if status < 500 else "server_error"
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenerationRequest:
+    """One validated OpenAI request, in the router's own terms."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt: str | None = None  # completion text prompt
+    prompt_token_ids: list[int] | None = None  # completion prompt given as token ids
+    messages: list[dict[str, Any]] | None = None  # chat messages (content flattened to text)
+    max_tokens: int | None = None  # None: until the context limit (chat) / 16 (completion)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    priority: str = "interactive"
+    echo: bool = False
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+
+# ---- field validators ----------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _type_name(value: Any) -> str:
+    return {
+        type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
+        list: "array", dict: "object",
+    }.get(type(value), type(value).__name__)
+
+
+def _wrong_type(param: str, expected: str, value: Any) -> APIError:
+    return invalid(param, f"'{param}' must be {expected}, got {_type_name(value)}", "invalid_type")
+
+
+def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise _wrong_type(name, "an integer", value)
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise invalid(name, f"'{name}' must be {bound}, got {value}")
+    return int(value)
+
+
+def _float(body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool = False
+           ) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise _wrong_type(name, "a number", value)
+    value = float(value)
+    if value != value or value > hi or value < lo or (lo_open and value == lo):
+        left = "(" if lo_open else "["
+        raise invalid(name, f"'{name}' must be in {left}{lo}, {hi}], got {value}")
+    return value
+
+
+def _bool(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise _wrong_type(name, "a boolean", value)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _wrong_type("stop", "a string or an array of strings", value)
+    if len(value) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"'stop' accepts at most {MAX_STOP_STRINGS} strings, "
+                              f"got {len(value)}")
+    if any(s == "" for s in value):
+        raise invalid("stop", "'stop' strings must not be empty")
+    return list(value)
+
+
+# Parameters OpenAI defines that the router accepts only at their neutral value: a request that
+# asks for the feature gets a 400 naming it instead of being silently served without it.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+# Accepted and ignored: they do not change what is generated.
+_IGNORED = ("user", "metadata", "store", "service_tier")
+
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+    "stream_options", "priority", "ignore_eos", "stop_token_ids", *_NEUTRAL, *_IGNORED,
+}
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo"}
+CHAT_PARAMS = (_COMMON | {"messages", "max_completion_tokens"}) - {"suffix", "best_of"}
+
+
+def _check_neutral(body: dict[str, Any], allowed: set[str]) -> None:
+    for name in sorted(body):
+        if name not in allowed:
+            raise APIError(
+                400, f"Unrecognized request argument supplied: {name}", param=name,
+                code="unknown_parameter",
+            )
+        if name in _NEUTRAL and body[name] not in _NEUTRAL[name]:
+            raise APIError(
+                400,
+                f"'{name}' is not supported by this server (got {json.dumps(body[name])[:80]})",
+                param=name, code="unsupported_parameter",
+            )
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {_type_name(body)}",
+                       code="invalid_json")
+    return body
+
+
+def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str | None) -> None:
+    temperature = _float(body, "temperature", 0.0, 2.0)
+    req.temperature = 1.0 if temperature is None else temperature
+    top_p = _float(body, "top_p", 0.0, 1.0, lo_open=True)
+    req.top_p = 1.0 if top_p is None else top_p
+    req.top_k = _int(body, "top_k", 0) or 0
+    req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    req.stop = _stop(body)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise _wrong_type("stop_token_ids", "an array of non-negative integers", ids)
+        req.stop_token_ids = list(ids)
+    req.ignore_eos = bool(_bool(body, "ignore_eos"))
+    req.stream = bool(_bool(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _wrong_type("stream_options", "an object", options)
+        if not req.stream:
+            raise invalid("stream_options",
+                          "'stream_options' is only allowed when 'stream' is true")
+        unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+        if unknown:
+            name = sorted(unknown)[0]
+            raise APIError(400, f"Unrecognized request argument supplied: stream_options.{name}",
+                           param=f"stream_options.{name}", code="unknown_parameter")
+        req.include_usage = bool(_bool(options, "include_usage"))
+    priority = body.get("priority")
+    param = "priority"
+    if priority is None and header_priority is not None:
+        priority, param = header_priority.strip().lower(), PRIORITY_HEADER
+    if priority is not None:
+        if priority not in PRIORITIES:
+            raise invalid(param, f"'{param}' must be one of {', '.join(PRIORITIES)}, "
+                                 f"got {json.dumps(priority)[:40]}")
+        req.priority = priority
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _wrong_type("model", "a string", model)
+    req.model = model or ""
+
+
+def parse_completion(body: dict[str, Any], header_priority: str | None = None
+                     ) -> GenerationRequest:
+    _check_neutral(body, COMPLETION_PARAMS)
+    req = GenerationRequest(kind="completion", model="")
+    _common(body, req, header_priority)
+    if "prompt" not in body:
+        raise APIError(400, "'prompt' is required", param="prompt",
+                       code="missing_required_parameter")
+    prompt = body["prompt"]
+    # OpenAI accepts a batch as a list; the router serves one prompt per request (n=1).
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise invalid("prompt", "'prompt' must not be empty")
+        req.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise invalid("prompt", "'prompt' token ids must be non-negative")
+        req.prompt_token_ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise APIError(400, "'prompt' as a batch of several prompts is not supported; send one "
+                            "prompt per request", param="prompt", code="unsupported_parameter")
+    else:
+        raise _wrong_type("prompt", "a string or an array of token ids", prompt)
+    req.max_tokens = _int(body, "max_tokens", 1)
+    if req.max_tokens is None:
+        req.max_tokens = 16  # OpenAI's documented default for completions
+    req.echo = bool(_bool(body, "echo"))
+    return req
+
+
+def _message_text(i: int, message: Any) -> dict[str, Any]:
+    param = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise _wrong_type(param, "an object", message)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise invalid(f"{param}.role", f"'{param}.role' must be one of {', '.join(CHAT_ROLES)}, "
+                                       f"got {json.dumps(role)[:40]}")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                part.get("text"), str
+            ):
+                raise APIError(
+                    400, f"'{param}.content[{j}]' must be a text part "
+                         "({\"type\": \"text\", \"text\": ...}); other content is not supported",
+                    param=f"{param}.content[{j}]", code="unsupported_parameter",
+                )
+            parts.append(part["text"])
+        content = "".join(parts)
+    elif content is None and role == "assistant":
+        content = ""
+    elif not isinstance(content, str):
+        raise _wrong_type(f"{param}.content", "a string or an array of text parts", content)
+    out: dict[str, Any] = {"role": role, "content": content}
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
+
+
+def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
+    _check_neutral(body, CHAT_PARAMS)
+    req = GenerationRequest(kind="chat", model="")
+    _common(body, req, header_priority)
+    if "messages" not in body:
+        raise APIError(400, "'messages' is required", param="messages",
+                       code="missing_required_parameter")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise _wrong_type("messages", "an array", messages)
+    if not messages:
+        raise invalid("messages", "'messages' must not be empty")
+    req.messages = [_message_text(i, m) for i, m in enumerate(messages)]
+    req.max_tokens = _int(body, "max_completion_tokens", 1)
+    if req.max_tokens is None:
+        req.max_tokens = _int(body, "max_tokens", 1)
+    return req
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def completion_response(rid: str, model: str, created: int, text: str,
+                        finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": use,
+    }
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str,
+                     finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_response(rid: str, model: str, created: int, text: str,
+                  finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }],
+        "usage": use,
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any],
+               finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(rid: str, model: str, created: int, kind: str,
+                use: dict[str, Any]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": use}
+
+
+def models_response(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{
+            "id": model, "object": "model", "created": created, "owned_by": "splitserve",
+            "max_model_len": max_model_len,
+        }],
+    }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,208 @@
+"""Which worker gets the next request. A pure core (`choose`) ranks workers from their last Load
+report plus what this router has sent them since; a thin shell (`WorkerPool`) keeps one gRPC
+channel per endpoint from discovery.py and polls Load. Prefill goes to the fewest queued tokens
+(TTFT is queueing + compute), decode to the most free KV blocks (admission is block-bound)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from splitserve_workers.proto import serving_pb2, serving_pb2_grpc
+from splitserve_workers.router.discovery import Discovery
+
+log = logging.getLogger("splitserve.router")
+
+PREFILL_POLICIES = ("least_queued_tokens", "round_robin", "random")
+DECODE_POLICIES = ("most_free_blocks", "round_robin", "random")
+COLOCATED_POLICIES = ("least_loaded", "most_free_blocks", "round_robin", "random")
+
+# Small messages on router channels: the router never carries KV. Keepalive so a peer that
+# vanishes without a TCP reset (node loss) is noticed in seconds, not minutes.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+@dataclass
+class WorkerLoad:
+    """What the router believes about one worker: its last report adjusted by what this router
+    sent it since (so a burst between two polls does not all land on one worker)."""
+
+    endpoint: str
+    healthy: bool = False
+    draining: bool = False
+    queued_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    # Router-side deltas since the last report.
+    pending_tokens: int = 0
+    pending_requests: int = 0
+    pending_blocks: int = 0
+
+    def effective_queued_tokens(self) -> int:
+        return self.queued_tokens + self.pending_tokens
+
+    def effective_free_blocks(self) -> int:
+        return self.free_blocks - self.pending_blocks
+
+
+def choose(workers: list[WorkerLoad], policy: str, exclude: set[str] | frozenset[str] = frozenset(),
+           counter: int = 0, rng: random.Random | None = None) -> WorkerLoad | None:
+    """The worker to use, or None when no healthy, non-draining worker is left. Ties break by
+    endpoint name so picking is deterministic."""
+    candidates = [w for w in workers if w.healthy and not w.draining and w.endpoint not in exclude]
+    if not candidates:
+        return None
+    candidates.sort(key=lambda w: w.endpoint)
+    if policy == "least_queued_tokens":
+        return min(candidates, key=lambda w: (w.effective_queued_tokens(), w.pending_requests))
+    if policy == "most_free_blocks":
+        return max(candidates, key=lambda w: (w.effective_free_blocks(), -w.pending_requests))
+    if policy == "least_loaded":
+        return min(candidates, key=lambda w: (
+            w.effective_queued_tokens(), w.running + w.waiting + w.pending_requests,
+            -w.effective_free_blocks(),
+        ))
+    if policy == "round_robin":
+        return candidates[counter % len(candidates)]
+    if policy == "random":
+        return (rng or random).choice(candidates)
+    raise ValueError(f"unknown picking policy {policy!r}")
+
+
+@dataclass
+class Worker:
+    load: WorkerLoad
+    channel: grpc.aio.Channel
+    stub: Any  # the role's service stub
+    model: serving_pb2.ModelSpec = field(default_factory=serving_pb2.ModelSpec)
+    last_report: float = 0.0
+
+
+_STUBS = {
+    "prefill": serving_pb2_grpc.PrefillServiceStub,
+    "decode": serving_pb2_grpc.DecodeServiceStub,
+    "colocated": serving_pb2_grpc.ColocatedServiceStub,
+}
+
+
+class WorkerPool:
+    """One role's workers: discovery refresh, Load polling, picking."""
+
+    def __init__(self, role: str, discovery: Discovery, policy: str,
+                 poll_interval: float = 0.5, load_timeout: float = 2.0) -> None:
+        allowed = {"prefill": PREFILL_POLICIES, "decode": DECODE_POLICIES,
+                   "colocated": COLOCATED_POLICIES}[role]
+        if policy not in allowed:
+            raise ValueError(f"{role} policy {policy!r} is not one of {', '.join(allowed)}")
+        self.role = role
+        self.policy = policy
+        self._discovery = discovery
+        self._poll_interval = poll_interval
+        self._load_timeout = load_timeout
+        self.workers: dict[str, Worker] = {}
+        self._counter = 0
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._poll_loop(), name=f"poll-{self.role}")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for worker in self.workers.values():
+            await worker.channel.close()
+        self.workers.clear()
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval)
+            try:
+                await self.refresh()
+            except Exception:  # never let one bad poll stop picking
+                log.exception("polling %s workers failed", self.role)
+
+    async def refresh(self) -> None:
+        endpoints = set(await self._discovery.endpoints(self.role))
+        for gone in set(self.workers) - endpoints:
+            await self.workers.pop(gone).channel.close()
+        for endpoint in endpoints - set(self.workers):
+            channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            self.workers[endpoint] = Worker(WorkerLoad(endpoint), channel,
+                                            _STUBS[self.role](channel))
+        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _poll(self, worker: Worker) -> None:
+        try:
+            report = await worker.stub.Load(serving_pb2.LoadRequest(),
+                                            timeout=self._load_timeout)
+        except grpc.aio.AioRpcError:
+            worker.load.healthy = False
+            return
+        load = worker.load
+        load.healthy = True
+        load.draining = report.draining
+        load.queued_tokens = report.queued_tokens
+        load.running = report.running
+        load.waiting = report.waiting
+        load.free_blocks = report.free_blocks
+        load.total_blocks = report.total_blocks
+        # The report now includes what this router sent before the poll started.
+        load.pending_tokens = load.pending_requests = load.pending_blocks = 0
+        worker.model = report.model
+        worker.last_report = time.monotonic()
+
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
+        self._counter += 1
+        load = choose([w.load for w in self.workers.values()], self.policy, exclude,
+                      self._counter)
+        return None if load is None else self.workers[load.endpoint]
+
+    def mark_failed(self, endpoint: str) -> None:
+        """A call to this worker failed: stop picking it until a Load poll succeeds again."""
+        worker = self.workers.get(endpoint)
+        if worker is not None:
+            worker.load.healthy = False
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Sleeps until the next poll lands (or `timeout`), for callers waiting for capacity."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    def ready(self) -> bool:
+        return any(w.load.healthy and not w.load.draining for w in self.workers.values())
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "endpoint": w.load.endpoint, "healthy": w.load.healthy,
+                "draining": w.load.draining, "queued_tokens": w.load.effective_queued_tokens(),
+                "free_blocks": w.load.effective_free_blocks(),
+                "total_blocks": w.load.total_blocks, "running": w.load.running,
+                "waiting": w.load.waiting,
+            }
+            for w in sorted(self.workers.values(), key=lambda w: w.load.endpoint)
+        ]
