@@ -177,7 +177,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """True while a non-zombie process is in group pgid. Reparented zombies may never be
     reaped in a container whose init does not wait, so kill(pgid, 0) alone would lie."""
     try:
@@ -200,7 +200,7 @@ def kill_group(pgid: int, grace: float = 10.0) -> None:
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if not _group_alive(pgid):
+        if not group_alive(pgid):
             return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):

@@ -1,0 +1,61 @@
+"""ControlPlane failure paths without the real binaries: a component that dies at start is
+reported with its log lines and nothing is left running (hack/testplane/plane.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import plane
+import pytest
+
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+def fake_bin_dir(tmp_path: Path, etcd_script: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in COMPONENTS:
+        script = etcd_script if name == "etcd" else "#!/bin/sh\nexit 3\n"
+        path = bin_dir / name
+        path.write_text(script)
+        path.chmod(0o755)
+    return bin_dir
+
+
+def test_dying_component_is_reported_with_its_log(tmp_path: Path) -> None:
+    bin_dir = fake_bin_dir(tmp_path, "#!/bin/sh\necho 'etcd: bad flag --frobnicate' >&2\nexit 2\n")
+    cp = plane.ControlPlane(bin_dir=bin_dir, workdir=tmp_path / "work")
+    with pytest.raises(plane.PlaneError) as err:
+        cp.start(timeout=30)
+    assert "etcd exited with status 2" in str(err.value)
+    assert "bad flag --frobnicate" in str(err.value)
+    assert cp.components == []
+
+
+def test_component_that_never_gets_ready_is_killed(tmp_path: Path) -> None:
+    # Writes its pid, then sleeps without ever serving /health.
+    pidfile = tmp_path / "etcd.pid"
+    bin_dir = fake_bin_dir(tmp_path, f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 600\n")
+    cp = plane.ControlPlane(bin_dir=bin_dir, workdir=tmp_path / "work")
+    with pytest.raises(plane.PlaneError, match="etcd not ready in time"):
+        cp.start(timeout=3)
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and plane.group_alive(pid):
+        time.sleep(0.1)
+    assert not plane.group_alive(pid), "stop() must kill the component's process group"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_missing_binary_is_named(tmp_path: Path) -> None:
+    cp = plane.ControlPlane(bin_dir=tmp_path, workdir=tmp_path / "work")
+    with pytest.raises(plane.PlaneError, match="missing binary .*etcd"):
+        cp.start()
+
+
+def test_negative_node_count_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nodes must be >= 0"):
+        plane.ControlPlane(bin_dir=tmp_path, nodes=-1)
