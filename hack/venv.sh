@@ -26,5 +26,8 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 # Point the editable install at this clone (a few seconds; clones may move).
-"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >&2
+if ! out=$("$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" 2>&1); then
+  echo "$out" >&2
+  exit 1
+fi
 echo "$venv"
