@@ -1,0 +1,455 @@
+"""Local mode, `splitserve up`: the whole stack on one machine as plain subprocesses — prefill and
+decode pools (or a colocated pool) and the router in front of them — wired by the ports their
+READY lines report. Prints the endpoint and a live TTFT/TPOT line read from the router's own
+/metrics; `--demo` sends a few streaming requests and exits. Ctrl-C/SIGTERM stops every child."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+READY_RE = re.compile(r"^READY role=(?P<role>\S+) port=(?P<port>\d+)")
+DEFAULT_PRESET = "tiny-llama"
+START_TIMEOUT_S = 600.0  # first start imports torch and may build the model
+STOP_TIMEOUT_S = 30.0
+DEMO_PROMPTS = (
+    "Explain in one sentence why prefill and decode are served by separate pools.",
+    "Write a haiku about a KV cache moving between two machines.",
+    "List three things a router measures at the edge.",
+)
+
+
+def cache_dir() -> Path:
+    """Where local mode keeps the model it builds (same root as the project's venv cache)."""
+    root = os.environ.get("SPLITSERVE_CACHE") or str(Path.home() / ".cache" / "splitserve")
+    return Path(root) / "models"
+
+
+def splitserve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "splitserve_workers.cli", *args]
+
+
+def ensure_model(model: str | None, preset: str = DEFAULT_PRESET) -> Path:
+    """The model to serve: the given directory, or a tiny random-weight model built once into
+    the cache (so `splitserve up` works on a fresh machine with nothing downloaded)."""
+    if model:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"splitserve up: --model {model}: no config.json in that directory")
+        return path
+    path = cache_dir() / preset
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"building the {preset} model once into {path} ...", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=path.parent))
+    try:
+        subprocess.run(splitserve_cmd("make-model", "--preset", preset, "--out", str(tmp)),
+                       check=True)
+        try:
+            tmp.rename(path)  # atomic: a concurrent `up` either sees all of it or none
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _die_with_parent() -> None:
+    # Linux: the child gets SIGTERM if `up` itself dies, even by SIGKILL — no orphans.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    name: str
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    port: int = 0
+    stdout: list[str] = field(default_factory=list)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+class LocalStack:
+    """Starts, watches and stops the child processes."""
+
+    def __init__(self, log_dir: Path, threads_per_child: int) -> None:
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.env = dict(os.environ)
+        self.env["PYTHONUNBUFFERED"] = "1"
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            self.env.setdefault(var, str(threads_per_child))
+
+    async def start(self, name: str, args: list[str]) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "wb") as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                *splitserve_cmd(*args), stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL, env=self.env, preexec_fn=_die_with_parent,
+            )
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def pump() -> None:
+            # Read stdout for the child's whole life so it never blocks on a full pipe.
+            assert proc.stdout is not None
+            async for raw in proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                child.stdout.append(line)
+                m = READY_RE.match(line)
+                if m and not ready.done():
+                    ready.set_result(int(m["port"]))
+            if not ready.done():
+                ready.set_exception(RuntimeError("exited before it was ready"))
+
+        asyncio.get_running_loop().create_task(pump())
+        try:
+            child.port = await asyncio.wait_for(ready, START_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as e:
+            raise RuntimeError(f"{name} did not start ({e or 'timed out'}); its log "
+                               f"{log_path}:\n{child.log_tail()}") from None
+        return child
+
+    async def wait_any_exit(self) -> Child:
+        """Returns the first child that exits (the caller treats it as a failure)."""
+        waits = {asyncio.ensure_future(c.proc.wait()): c for c in self.children}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return waits[next(iter(done))]
+
+    async def stop(self) -> None:
+        """SIGTERM in reverse start order (the router first, so nothing new reaches the pools),
+        then SIGKILL whatever has not exited in time."""
+        for child in reversed(self.children):
+            if child.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in reversed(self.children):
+            try:
+                await asyncio.wait_for(child.proc.wait(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+                await child.proc.wait()
+
+
+# ---- reading the router's metrics ----------------------------------------------------------
+
+
+def _histogram(text: str, name: str) -> tuple[float, float, list[tuple[float, float]]]:
+    """(sum, count, [(le, cumulative count)]) of one histogram, summed over label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for s in family.samples:
+            if s.name == name + "_sum":
+                total += s.value
+            elif s.name == name + "_count":
+                count += s.value
+            elif s.name == name + "_bucket":
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + s.value
+    return total, count, sorted(buckets.items())
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus-style estimate from cumulative buckets (linear within the bucket)."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, cumulative in buckets:
+        if cumulative >= rank:
+            if le == float("inf"):
+                return prev_le
+            span = cumulative - prev_count
+            return prev_le + (le - prev_le) * ((rank - prev_count) / span if span else 1.0)
+        prev_le, prev_count = le, cumulative
+    return prev_le
+
+
+class LiveLine:
+    """TTFT/TPOT over the last interval, from the router's cumulative histograms."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, float, list[tuple[float, float]]]] = {}
+
+    def update(self, text: str) -> str | None:
+        parts = []
+        new_requests = 0.0
+        for key, metric in (("TTFT", "splitserve_time_to_first_token_seconds"),
+                            ("TPOT", "splitserve_time_per_output_token_seconds")):
+            total, count, buckets = _histogram(text, metric)
+            old_total, old_count, old_buckets = self._last.get(key, (0.0, 0.0, []))
+            self._last[key] = (total, count, buckets)
+            n = count - old_count
+            if key == "TTFT":
+                new_requests = n
+            if n <= 0:
+                continue
+            old = dict(old_buckets)
+            window = [(le, c - old.get(le, 0.0)) for le, c in buckets]
+            p90 = histogram_quantile(0.9, window)
+            p90_text = f", p90 ~{p90 * 1000:.0f} ms" if p90 is not None else ""
+            parts.append(f"{key} mean {(total - old_total) / n * 1000:.1f} ms{p90_text}")
+        if not parts:
+            return None
+        return f"{int(new_requests)} new request(s) | " + " | ".join(parts)
+
+
+async def _get(url: str, timeout: float = 5.0) -> str:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s, \
+            s.get(url) as r:
+        return await r.text()
+
+
+async def _wait_ready(base: str, timeout: float = 120.0) -> None:
+    """The router is listening; wait until it has seen a healthy worker in every pool."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with s.get(base + "/ready") as r:
+                    if r.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router did not become ready (no healthy workers)")
+            await asyncio.sleep(0.2)
+
+
+# ---- the demo ------------------------------------------------------------------------------
+
+
+async def stream_chat(base: str, model: str, prompt: str, max_tokens: int = 32,
+                      echo: bool = True) -> dict[str, Any]:
+    """One streaming chat request over plain HTTP/SSE; returns text and measured latencies."""
+    import aiohttp
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.monotonic()
+    first: float | None = None
+    last = start
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as s, s.post(base + "/v1/chat/completions",
+                                                    json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                last = now
+                delta = choice.get("delta", {}).get("content") or ""
+                text.append(delta)
+                if echo and delta:
+                    print(delta, end="", flush=True)
+    if echo:
+        print(flush=True)
+    n = int(usage.get("completion_tokens", 0))
+    ttft = (first or last) - start
+    tpot = (last - (first or last)) / (n - 1) if n > 1 else 0.0
+    return {"text": "".join(text), "ttft": ttft, "tpot": tpot, "tokens": n,
+            "prompt_tokens": int(usage.get("prompt_tokens", 0))}
+
+
+async def run_demo(base: str, model: str) -> None:
+    results = []
+    for i, prompt in enumerate(DEMO_PROMPTS, 1):
+        print(f"\n[{i}/{len(DEMO_PROMPTS)}] user: {prompt}\nassistant: ", end="", flush=True)
+        results.append(await stream_chat(base, model, prompt))
+    print("\n request  prompt tok  output tok   TTFT (ms)   TPOT (ms)")
+    for i, r in enumerate(results, 1):
+        print(f"   {i:>3}   {r['prompt_tokens']:>9}  {r['tokens']:>10}  {r['ttft'] * 1000:>10.1f}"
+              f"  {r['tpot'] * 1000:>10.2f}")
+    line = LiveLine().update(await _get(base + "/metrics"))
+    if line:
+        print(f"router metrics: {line}")
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: build a tiny model once)")
+    parser.add_argument("--preset", default=DEFAULT_PRESET,
+                        help="make-model preset used when --model is not given")
+    parser.add_argument("--config", help="ServingConfig YAML passed to every process")
+    parser.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    parser.add_argument("--colocated", type=int, default=None,
+                        help="colocated workers instead of prefill+decode pools")
+    parser.add_argument("--port", type=int, default=8000, help="router port (0 = pick free)")
+    parser.add_argument("--host", default="127.0.0.1", help="router listen address")
+    parser.add_argument("--device", default="auto", help="worker device: auto|cpu|cuda|cuda:N")
+    parser.add_argument("--demo", action="store_true",
+                        help="send a few streaming requests, print them, stop and exit")
+    parser.add_argument("--stats-interval", type=float, default=5.0,
+                        help="seconds between live TTFT/TPOT lines")
+    parser.add_argument("--log-dir", help="where child logs go (default: a temp dir)")
+
+
+def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    if args.colocated is not None:
+        if args.prefill is not None or args.decode is not None:
+            raise SystemExit("splitserve up: use --colocated K or --prefill N --decode M, "
+                             "not both")
+        if args.colocated < 1:
+            raise SystemExit("splitserve up: --colocated must be >= 1")
+        return 0, 0, args.colocated
+    prefill = 1 if args.prefill is None else args.prefill
+    decode = 1 if args.decode is None else args.decode
+    if prefill < 1 or decode < 1:
+        raise SystemExit("splitserve up: --prefill and --decode must be >= 1")
+    return prefill, decode, 0
+
+
+async def _up(args: argparse.Namespace, model: Path, counts: tuple[int, int, int],
+              log_dir: Path) -> int:
+    n_prefill, n_decode, n_colocated = counts
+    n_workers = n_prefill + n_decode + n_colocated
+    stack = LocalStack(log_dir, max(1, (os.cpu_count() or 1) // n_workers))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    common = ["--model", str(model), "--device", args.device, "--host", "127.0.0.1",
+              "--port", "0", "--metrics-port", "0"]
+    if args.config:
+        common += ["--config", args.config]
+    try:
+        specs = ([("prefill", i) for i in range(n_prefill)]
+                 + [("decode", i) for i in range(n_decode)]
+                 + [("colocated", i) for i in range(n_colocated)])
+        starting = asyncio.gather(*(stack.start(f"{role}-{i}", [role, *common])
+                                    for role, i in specs))
+        stopper = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
+            starting.cancel()
+            return 130
+        stopper.cancel()
+        workers = starting.result()
+
+        def endpoints(role: str) -> str:
+            return ",".join(f"127.0.0.1:{c.port}" for c in workers if c.name.startswith(role))
+
+        router_args = ["router", "--model", str(model), "--port", str(args.port),
+                       "--host", args.host]
+        if args.config:
+            router_args += ["--config", args.config]
+        if n_colocated:
+            router_args += ["--colocated", endpoints("colocated")]
+        else:
+            router_args += ["--prefill", endpoints("prefill"), "--decode", endpoints("decode")]
+        router = await stack.start("router", router_args)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        base = f"http://{host}:{router.port}"
+        await _wait_ready(base)
+        model_name = json.loads(await _get(base + "/v1/models"))["data"][0]["id"]
+        shape = (f"{n_colocated} colocated" if n_colocated
+                 else f"{n_prefill} prefill + {n_decode} decode")
+        print(f"splitserve is up: {base}/v1 (model {model_name!r}, {shape} worker(s), "
+              f"logs in {log_dir})", flush=True)
+        print(f"READY role=up port={router.port}", flush=True)
+        if args.demo:
+            demo = asyncio.ensure_future(run_demo(base, model_name))
+            stopper = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait({demo, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if demo not in done:
+                demo.cancel()
+                return 130
+            demo.result()  # raises what the demo hit
+            return 0
+        print("press Ctrl-C to stop", flush=True)
+        return await _watch(stack, base, stop, args.stats_interval)
+    except RuntimeError as e:
+        print(f"splitserve up: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("stopping ...", flush=True)
+        await stack.stop()
+
+
+async def _watch(stack: LocalStack, base: str, stop: asyncio.Event, interval: float) -> int:
+    live = LiveLine()
+    exited = asyncio.ensure_future(stack.wait_any_exit())
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait({exited, stopper}, timeout=interval,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if stopper in done:
+                return 0
+            if exited in done:
+                child = exited.result()
+                print(f"splitserve up: {child.name} exited with {child.proc.returncode}; "
+                      f"its log:\n{child.log_tail()}", file=sys.stderr, flush=True)
+                return 1
+            with contextlib.suppress(Exception):
+                line = live.update(await _get(base + "/metrics"))
+                if line:
+                    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+    finally:
+        exited.cancel()
+        stopper.cancel()
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = _check_counts(args)
+    model = ensure_model(args.model, args.preset)
+    if args.log_dir:
+        log_dir = Path(args.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        log_dir = Path(tempfile.mkdtemp(prefix="splitserve-up-"))
+    return asyncio.run(_up(args, model, counts, log_dir))
