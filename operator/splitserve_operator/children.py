@@ -1,0 +1,191 @@
+"""The desired child objects of one LLMService: the worker ConfigMap, a Deployment per pool,
+Services (router ClusterIP, headless pools for DNS discovery), PodDisruptionBudgets and, when
+the cluster serves monitoring.coreos.com, a ServiceMonitor and a PodMonitor. Pure: dicts in,
+dicts out; apply.py sends them to the API server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import GROUP, KIND, VERSION
+from .config import OperatorConfig
+from .names import (
+    CONFIG_KEY,
+    DECODE_PORT,
+    METRICS_PORT,
+    PREFILL_PORT,
+    child_name,
+    common_labels,
+    selector_labels,
+)
+from .podtemplate import pod_template
+from .spec import POOLS, Spec
+from .workerconfig import config_hash, serving_config
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str], owner: dict[str, Any]) -> dict:
+    return {"name": name, "namespace": namespace, "labels": labels, "ownerReferences": [owner]}
+
+
+def config_map(service: str, namespace: str, text: str, owner: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(
+            child_name(service, "config"), namespace, common_labels(service, "config"), owner
+        ),
+        "data": {CONFIG_KEY: text},
+    }
+
+
+def deployment(
+    component: str, service: str, namespace: str, spec: Spec, image: str, digest: str,
+    owner: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(
+            child_name(service, component), namespace, common_labels(service, component), owner
+        ),
+        "spec": {
+            # apply.py decides whether replicas is sent (it depends on the autoscaling mode).
+            "replicas": spec.pool(component).replicas,
+            "selector": {"matchLabels": selector_labels(service, component)},
+            "revisionHistoryLimit": 3,
+            # Loading a large model from a network volume can take minutes.
+            "progressDeadlineSeconds": 900,
+            # Never drop below the serving capacity during a rollout; with scarce GPUs a surge
+            # pod may wait for a free GPU, which stalls the rollout rather than the service.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": pod_template(component, service, spec, image, digest),
+        },
+    }
+
+
+def router_service(service: str, namespace: str, spec: Spec, owner: dict[str, Any]) -> dict:
+    port = spec.router.settings["port"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(
+            child_name(service, "router"), namespace, common_labels(service, "router"), owner
+        ),
+        "spec": {
+            "type": spec.router.settings["serviceType"],
+            "selector": selector_labels(service, "router"),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pool_service(component: str, service: str, namespace: str, owner: dict[str, Any]) -> dict:
+    """Headless: the router resolves the pods' addresses through DNS and balances itself."""
+    port = PREFILL_PORT if component == "prefill" else DECODE_PORT
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(
+            child_name(service, component), namespace, common_labels(service, component), owner
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector_labels(service, component),
+            "ports": [
+                {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"},
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics",
+                 "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def disruption_budget(component: str, service: str, namespace: str, owner: dict) -> dict:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(
+            child_name(service, component), namespace, common_labels(service, component), owner
+        ),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(service, component)},
+        },
+    }
+
+
+def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict[str, Any]]:
+    interval = spec.monitoring_interval
+    workers = common_labels(service, "workers")
+    return [
+        {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "ServiceMonitor",
+            "metadata": _meta(
+                child_name(service, "router"), namespace, common_labels(service, "router"), owner
+            ),
+            "spec": {
+                "selector": {"matchLabels": selector_labels(service, "router")},
+                "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+            },
+        },
+        {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PodMonitor",
+            "metadata": _meta(child_name(service, "workers"), namespace, workers, owner),
+            "spec": {
+                "selector": {
+                    "matchLabels": {
+                        "app.kubernetes.io/name": workers["app.kubernetes.io/name"],
+                        "app.kubernetes.io/instance": service,
+                    },
+                    "matchExpressions": [{
+                        "key": "app.kubernetes.io/component",
+                        "operator": "In",
+                        "values": ["prefill", "decode"],
+                    }],
+                },
+                "podMetricsEndpoints": [
+                    {"port": "metrics", "path": "/metrics", "interval": interval}
+                ],
+            },
+        },
+    ]
+
+
+def desired_children(
+    service: str,
+    namespace: str,
+    uid: str,
+    spec: Spec,
+    config: OperatorConfig,
+    monitoring_available: bool,
+) -> list[dict[str, Any]]:
+    """Every child object of one LLMService, in apply order (ConfigMap before the pods)."""
+    owner = owner_reference(service, uid)
+    text = serving_config(spec, service, namespace, config.cluster_domain).to_yaml()
+    digest = config_hash(text)
+    image = spec.image or config.worker_image
+    objects: list[dict[str, Any]] = [config_map(service, namespace, text, owner)]
+    objects.append(router_service(service, namespace, spec, owner))
+    objects += [pool_service(c, service, namespace, owner) for c in ("prefill", "decode")]
+    objects += [deployment(c, service, namespace, spec, image, digest, owner) for c in POOLS]
+    objects += [disruption_budget(c, service, namespace, owner) for c in POOLS]
+    if monitoring_available and spec.monitoring_enabled and config.monitoring != "off":
+        objects += monitors(service, namespace, spec, owner)
+    return objects

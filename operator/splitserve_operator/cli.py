@@ -1,0 +1,101 @@
+"""`splitserve operator`: runs the LLMService operator (kopf) namespaced or cluster-wide, with
+kopf peering so that only one of several replicas acts, and a liveness endpoint. Settings are
+fixed here once and handed to handlers.register()."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+
+import kopf
+
+from .config import OperatorConfig
+from .handlers import Operator, register
+from .kube import Kube, load_api_client
+
+KOPF_PREFIX = "kopf.splitserve.io"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "--namespace", "-n", action="append", dest="namespaces", metavar="NS",
+        help="watch this namespace (repeatable; globs such as team-* work)",
+    )
+    scope.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="watch every namespace"
+    )
+    parser.add_argument(
+        "--worker-image",
+        default=os.environ.get("SPLITSERVE_WORKER_IMAGE", "splitserve/worker:dev"),
+        help="image for LLMServices that set no spec.image (env SPLITSERVE_WORKER_IMAGE)",
+    )
+    parser.add_argument(
+        "--resync-seconds", type=float, default=30.0,
+        help="period of the level-based resync that repairs drift (default 30)",
+    )
+    parser.add_argument("--cluster-domain", default="cluster.local")
+    parser.add_argument(
+        "--monitoring", choices=["auto", "off"], default="auto",
+        help="auto: create ServiceMonitor/PodMonitor where monitoring.coreos.com is served",
+    )
+    parser.add_argument(
+        "--peering", default="splitserve",
+        help="kopf peering object name (KopfPeering per namespace, or ClusterKopfPeering)",
+    )
+    parser.add_argument(
+        "--standalone", action="store_true",
+        help="no peering: only when exactly one operator runs (e.g. local development)",
+    )
+    parser.add_argument(
+        "--priority", type=int, default=None,
+        help="peering priority; the highest acts, equal priorities all pause (default: random)",
+    )
+    parser.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz",
+        help="kopf liveness endpoint URL, or '' to disable",
+    )
+    parser.add_argument("--verbose", "-v", action="store_true")
+
+
+def settings_for(args: argparse.Namespace) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # Keep kopf's bookkeeping in annotations of our own prefix, out of the typed status.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
+    settings.persistence.finalizer = f"{KOPF_PREFIX}/finalizer"
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.peering.stealth = True
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = OperatorConfig(
+        worker_image=args.worker_image,
+        resync_seconds=args.resync_seconds,
+        cluster_domain=args.cluster_domain,
+        monitoring=args.monitoring,
+    )
+    registry = kopf.OperatorRegistry()
+    register(registry, Operator(Kube(load_api_client()), config))
+    # Replicas of one Deployment share their flags; distinct random priorities make exactly one
+    # of them act (kopf pauses every operator that sees a peer of equal priority).
+    priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
+    kopf.run(
+        registry=registry,
+        settings=settings_for(args),
+        clusterwide=bool(args.all_namespaces),
+        namespaces=args.namespaces or (),
+        standalone=True if args.standalone else None,
+        peering_name=None if args.standalone else args.peering,
+        priority=priority,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0

@@ -1,0 +1,20 @@
+"""Operator-wide settings, fixed once at startup from the command line (cli.py) and handed to
+the handlers; the pure builders take what they need from it as plain arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FIELD_MANAGER = "splitserve-operator"
+# Owns Deployment spec.replicas apart from everything else, so that the main apply can leave
+# replicas out (Builtin/HPA modes) without server-side apply deleting the field.
+REPLICAS_FIELD_MANAGER = "splitserve-operator-replicas"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    worker_image: str = "splitserve/worker:dev"
+    resync_seconds: float = 30.0
+    cluster_domain: str = "cluster.local"
+    # auto: create ServiceMonitor/PodMonitor when monitoring.coreos.com is served; off: never.
+    monitoring: str = "auto"

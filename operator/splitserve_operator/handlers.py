@@ -1,0 +1,167 @@
+"""The kopf shell: thin handlers that parse the spec, build the desired children
+(children.desired_children), apply them (reconcile.apply_children), and write status and Events.
+create/update/resume and a resync timer all run the same level-based reconcile; a watch on the
+children's Deployments refreshes status as soon as pods become ready. register() wires them
+into a registry with the operator's settings."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from typing import Any
+
+import kopf
+
+from . import GROUP, PLURAL, VERSION
+from .children import desired_children
+from .config import OperatorConfig
+from .kube import Kube, KubeError, Ref
+from .names import MANAGED_BY, child_name
+from .reconcile import apply_children
+from .spec import POOLS, Spec, SpecError, parse_spec
+from .status import compute_status, invalid_status
+
+MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
+MONITORING_PLURALS = ("servicemonitors", "podmonitors")
+MONITORING_TTL_SECONDS = 60.0
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Operator:
+    """What the handlers share: the API layer, the settings, a cached discovery answer."""
+
+    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+        self.kube = kube
+        self.config = config
+        self._monitoring: tuple[float, bool] | None = None
+        self._lock = threading.Lock()
+
+    def monitoring_available(self) -> bool:
+        if self.config.monitoring == "off":
+            return False
+        with self._lock:
+            if self._monitoring and time.monotonic() - self._monitoring[0] < MONITORING_TTL_SECONDS:
+                return self._monitoring[1]
+        found = self.kube.serves(MONITORING_GROUP_VERSION, MONITORING_PLURALS)
+        with self._lock:
+            self._monitoring = (time.monotonic(), found)
+        return found
+
+    def reconcile(
+        self, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | kopf.Logger, why: str
+    ) -> None:
+        meta, status = body.meta, body.status
+        name, namespace = meta["name"], meta["namespace"]
+        generation = int(meta.get("generation") or 0)
+        previous = list(status.get("conditions") or [])
+        try:
+            spec = parse_spec(dict(body.spec))
+        except SpecError as e:
+            patch.status.update(invalid_status(str(e), generation, previous, now_rfc3339()))
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
+            raise kopf.PermanentError(str(e)) from e
+        objects = desired_children(
+            name, namespace, meta["uid"], spec, self.config, self.monitoring_available()
+        )
+        try:
+            outcome = apply_children(self.kube, objects, spec.autoscaling_mode)
+        except KubeError as e:
+            observed = int(status.get("observedGeneration") or 0)
+            patch.status.update(
+                compute_status(
+                    service=name, namespace=namespace, spec=spec, generation=generation,
+                    observed_generation=observed, deployments={}, previous_conditions=previous,
+                    now=now_rfc3339(), error=str(e),
+                )
+            )
+            kopf.warn(body, reason="ApplyFailed", message=str(e))
+            raise kopf.TemporaryError(str(e), delay=10) from e
+        if outcome.created:
+            kopf.info(body, reason="Created", message="created " + ", ".join(outcome.created))
+        if outcome.updated:
+            # On a resync nothing in the spec changed: a change means someone edited a child.
+            reason = "DriftRepaired" if why == "resync" else "Updated"
+            kopf.info(body, reason=reason, message="applied " + ", ".join(outcome.updated))
+        if outcome.created or outcome.updated:
+            logger.info(
+                f"{why}: created {len(outcome.created)}, updated {len(outcome.updated)} children"
+            )
+        patch.status.update(
+            compute_status(
+                service=name, namespace=namespace, spec=spec, generation=generation,
+                observed_generation=generation, deployments=outcome.deployments,
+                previous_conditions=previous, now=now_rfc3339(),
+            )
+        )
+
+    def refresh_status(self, namespace: str, service: str) -> None:
+        """Recompute status from the live Deployments (on a Deployment change)."""
+        ref = Ref(f"{GROUP}/{VERSION}", "LLMService", namespace, service)
+        body = self.kube.get(ref)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            spec: Spec = parse_spec(body.get("spec"))
+        except SpecError:
+            return  # the reconcile handler reports invalid specs
+        status = body.get("status") or {}
+        deployments: dict[str, dict[str, Any] | None] = {}
+        for pool in POOLS:
+            deployments[pool] = self.kube.get(
+                Ref("apps/v1", "Deployment", namespace, child_name(service, pool))
+            )
+        fresh = compute_status(
+            service=service, namespace=namespace, spec=spec,
+            generation=int(body["metadata"].get("generation") or 0),
+            observed_generation=int(status.get("observedGeneration") or 0),
+            deployments=deployments, previous_conditions=status.get("conditions"),
+            now=now_rfc3339(),
+        )
+        if any(status.get(k) != v for k, v in fresh.items()):
+            self.kube.patch_status(ref, fresh)
+
+
+def owner_service(body: kopf.Body) -> str | None:
+    for ref in body.meta.get("ownerReferences") or []:
+        if ref.get("kind") == "LLMService" and ref.get("apiVersion", "").startswith(GROUP + "/"):
+            return str(ref.get("name"))
+    return None
+
+
+def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
+    """Attach every handler to `registry`; the resync interval comes from the settings."""
+
+    def on_change(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+        operator.reconcile(body, patch, logger, why="change")
+
+    def on_resync(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+        operator.reconcile(body, patch, logger, why="resync")
+
+    def on_delete(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        # Children carry owner references: the garbage collector deletes them.
+        logger.info("deleted; children are garbage-collected through their owner references")
+
+    def on_deployment(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+        service = owner_service(body)
+        if service and namespace:
+            operator.refresh_status(namespace, service)
+
+    resource = (GROUP, VERSION, PLURAL)
+    kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_change)
+    kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_change)
+    kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_change)
+    # optional: no finalizer just for this; deletion must not wait for the operator.
+    kopf.on.delete(*resource, registry=registry, id="cleanup", optional=True)(on_delete)
+    kopf.timer(
+        *resource, registry=registry, id="resync",
+        interval=operator.config.resync_seconds, initial_delay=operator.config.resync_seconds,
+    )(on_resync)
+    kopf.on.event(
+        "apps", "v1", "deployments", registry=registry, id="child-deployment",
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+    )(on_deployment)

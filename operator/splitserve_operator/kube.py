@@ -1,0 +1,131 @@
+"""A small synchronous Kubernetes API layer for the operator: GET, server-side apply, merge patch
+and discovery on plain dicts, for any kind the operator owns. It borrows credentials and TLS from
+the official client's ApiClient (kubeconfig or in-cluster) and nothing else, so dicts from
+children.py go to the API server unchanged."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.config.config_exception import ConfigException
+
+# (apiVersion, kind) -> plural, for every kind the operator reads or writes.
+PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    ("splitserve.io/v1alpha1", "LLMService"): "llmservices",
+}
+
+
+class KubeError(RuntimeError):
+    """The API server refused a request; carries the HTTP status and the server's message."""
+
+    def __init__(self, status: int, method: str, path: str, message: str) -> None:
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Ref:
+    api_version: str
+    kind: str
+    namespace: str
+    name: str
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> Ref:
+        meta = obj["metadata"]
+        return cls(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+
+    def path(self, subresource: str = "") -> str:
+        plural = PLURALS[(self.api_version, self.kind)]
+        root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        tail = f"/{subresource}" if subresource else ""
+        return f"{root}/namespaces/{self.namespace}/{plural}/{self.name}{tail}"
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.namespace}/{self.name}"
+
+
+def load_api_client() -> client.ApiClient:
+    """In-cluster credentials when running in a pod, else KUBECONFIG / ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api = api_client
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        """One API call; returns the decoded JSON body, or None for 404 on GET."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        _, url, headers, _, _ = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            auth_settings=["BearerToken"],
+        )
+        data = json.dumps(body) if body is not None else None
+        response = self.api.call_api(method, url, header_params=headers, body=data)
+        raw = response.read()
+        if method == "GET" and response.status == 404:
+            return None
+        if not 200 <= response.status < 300:
+            message = raw.decode(errors="replace") if raw else response.reason
+            try:
+                message = json.loads(message).get("message", message)
+            except (ValueError, AttributeError):
+                pass
+            raise KubeError(response.status, method, path, str(message))
+        return json.loads(raw) if raw else None
+
+    def get(self, ref: Ref) -> dict[str, Any] | None:
+        return self.request("GET", ref.path())  # type: ignore[no-any-return]
+
+    def apply(self, obj: dict[str, Any], manager: str, force: bool = True) -> dict[str, Any]:
+        """Server-side apply: the API server merges `obj` into the live object, owning (for
+        `manager`) exactly the fields sent; force takes over fields others changed by hand."""
+        query = [("fieldManager", manager)]
+        if force:
+            query.append(("force", "true"))
+        return self.request(  # type: ignore[no-any-return]
+            "PATCH", Ref.of(obj).path(), query=query, body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+
+    def patch_status(self, ref: Ref, status: dict[str, Any]) -> dict[str, Any]:
+        return self.request(  # type: ignore[no-any-return]
+            "PATCH", ref.path("status"), body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    def serves(self, group_version: str, plurals: tuple[str, ...]) -> bool:
+        """Discovery: does the cluster serve these resources (e.g. the Prometheus operator's)?"""
+        try:
+            doc = self.request("GET", f"/apis/{group_version}")
+        except KubeError:
+            return False
+        names = {r.get("name") for r in (doc or {}).get("resources", [])}
+        return all(p in names for p in plurals)

@@ -1,0 +1,171 @@
+"""The pod template of each pool (router, prefill, decode): the worker container contract
+(command, ports, probes, config mount), the model volume, and the hardening every pod gets
+(non-root, read-only root filesystem, no privilege escalation, no capabilities, RuntimeDefault
+seccomp). Pure: spec in, dict out. children.py wraps it in a Deployment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve_workers.config import CONFIG_PATH_IN_POD
+
+from .names import (
+    CONFIG_DIR,
+    CONFIG_HASH_ANNOTATION,
+    DECODE_PORT,
+    METRICS_PORT,
+    PREFILL_PORT,
+    child_name,
+    common_labels,
+    selector_labels,
+)
+from .spec import Spec
+
+RUN_AS_USER = 1000
+MODEL_VOLUME = "model"
+
+
+def container_args(component: str, spec: Spec) -> list[str]:
+    if component == "router":
+        port = spec.router.settings["port"]
+        return ["router", "--config", CONFIG_PATH_IN_POD, "--port", str(port)]
+    port = PREFILL_PORT if component == "prefill" else DECODE_PORT
+    return [
+        component, "--config", CONFIG_PATH_IN_POD,
+        "--port", str(port), "--metrics-port", str(METRICS_PORT),
+    ]
+
+
+def container_ports(component: str, spec: Spec) -> list[dict[str, Any]]:
+    if component == "router":
+        return [{"name": "http", "containerPort": spec.router.settings["port"], "protocol": "TCP"}]
+    port = PREFILL_PORT if component == "prefill" else DECODE_PORT
+    return [
+        {"name": "grpc", "containerPort": port, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+    ]
+
+
+def probes(component: str) -> dict[str, Any]:
+    # Workers answer /health while the model loads; /ready only once it can serve (and turns
+    # false again while draining), so a loading or draining pod gets no traffic but is not killed.
+    port = "http" if component == "router" else "metrics"
+    return {
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 5,
+            "failureThreshold": 120,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": port},
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 2,
+        },
+    }
+
+
+def model_volume(spec: Spec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) for the model weights; empty when they are in the image."""
+    if spec.volume is None:
+        return [], []
+    volume = {"name": MODEL_VOLUME, **spec.volume}
+    if "persistentVolumeClaim" in volume:
+        volume["persistentVolumeClaim"] = {**volume["persistentVolumeClaim"], "readOnly": True}
+    mount = {"name": MODEL_VOLUME, "mountPath": spec.mount_path, "readOnly": True}
+    return [volume], [mount]
+
+
+def topology_spread(component: str, service: str, spec: Spec) -> list[dict[str, Any]]:
+    spread = spec.pool(component).topology_spread
+    if not spread.enabled:
+        return []
+    return [{
+        "maxSkew": spread.max_skew,
+        "topologyKey": spread.topology_key,
+        "whenUnsatisfiable": spread.when_unsatisfiable,
+        "labelSelector": {"matchLabels": selector_labels(service, component)},
+        # Count only pods of the same revision, so a rolling update spreads the new pods too.
+        "matchLabelKeys": ["pod-template-hash"],
+    }]
+
+
+def pod_template(
+    component: str, service: str, spec: Spec, image: str, config_hash: str
+) -> dict[str, Any]:
+    pool = spec.pool(component)
+    volumes, mounts = model_volume(spec)
+    volumes = [
+        {"name": "config", "configMap": {"name": child_name(service, "config")}},
+        {"name": "tmp", "emptyDir": {}},
+        *volumes,
+    ]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        *mounts,
+    ]
+    container: dict[str, Any] = {
+        "name": component,
+        "image": image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["splitserve"],
+        "args": container_args(component, spec),
+        "ports": container_ports(component, spec),
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {
+                "name": "POD_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            },
+        ],
+        "resources": pool.resources,
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        **probes(component),
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": spec.termination_grace_seconds,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    spread = topology_spread(component, service, spec)
+    if spread:
+        pod_spec["topologySpreadConstraints"] = spread
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = pool.node_selector
+    if pool.tolerations:
+        pod_spec["tolerations"] = pool.tolerations
+    if pool.affinity:
+        pod_spec["affinity"] = pool.affinity
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = spec.image_pull_secrets
+    return {
+        "metadata": {
+            "labels": common_labels(service, component),
+            "annotations": {**pool.pod_annotations, CONFIG_HASH_ANNOTATION: config_hash},
+        },
+        "spec": pod_spec,
+    }

@@ -1,0 +1,76 @@
+"""Brings the cluster to the desired children of one LLMService by server-side apply, and says
+what it changed. Level-based: it runs the same way on create, update, resume and every resync,
+so a deleted child is recreated and a hand-edited field is taken back.
+
+Replicas: the main field manager never keeps spec.replicas of a Deployment. A second manager
+(REPLICAS_FIELD_MANAGER) sets it: always in mode Off, only at creation in Builtin and HPA, so the
+autoscaler's (or an HPA's) value is never overwritten and dropping the field from the main
+apply never resets it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import FIELD_MANAGER, REPLICAS_FIELD_MANAGER
+from .kube import Kube, Ref
+
+
+@dataclass
+class Outcome:
+    deployments: dict[str, dict[str, Any]] = field(default_factory=dict)  # component -> live
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+
+
+def replicas_patch(obj: dict[str, Any], replicas: int) -> dict[str, Any]:
+    meta = obj["metadata"]
+    return {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+        "spec": {"replicas": replicas},
+    }
+
+
+def without_replicas(obj: dict[str, Any]) -> dict[str, Any]:
+    body = copy.deepcopy(obj)
+    body["spec"].pop("replicas", None)
+    return body
+
+
+def apply_deployment(kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcome) -> None:
+    ref = Ref.of(obj)
+    desired = int(obj["spec"]["replicas"])
+    live = kube.get(ref)
+    if live is None:
+        # Created with its replicas; the replicas manager co-owns the value from the start.
+        result = kube.apply(obj, FIELD_MANAGER)
+        result = kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
+        outcome.created.append(str(ref))
+    else:
+        before = live["metadata"]["resourceVersion"]
+        result = kube.apply(without_replicas(obj), FIELD_MANAGER)
+        if mode == "Off" and int(result["spec"].get("replicas", -1)) != desired:
+            result = kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
+        if result["metadata"]["resourceVersion"] != before:
+            outcome.updated.append(str(ref))
+    component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+    outcome.deployments[component] = result
+
+
+def apply_children(kube: Kube, objects: list[dict[str, Any]], mode: str) -> Outcome:
+    outcome = Outcome()
+    for obj in objects:
+        if obj["kind"] == "Deployment":
+            apply_deployment(kube, obj, mode, outcome)
+            continue
+        ref = Ref.of(obj)
+        live = kube.get(ref)
+        result = kube.apply(obj, FIELD_MANAGER)
+        if live is None:
+            outcome.created.append(str(ref))
+        elif result["metadata"]["resourceVersion"] != live["metadata"]["resourceVersion"]:
+            outcome.updated.append(str(ref))
+    return outcome

@@ -1,0 +1,245 @@
+"""A typed, defaulted view of an LLMService `spec` (a plain dict from the API server).
+
+The CRD schema already applies defaults and rejects bad values; this module applies the same
+defaults again so the pure builders work on dicts that never went through an API server (tests,
+`kubectl create --validate=false` on old clusters) and converts durations and quantities.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+AUTOSCALING_MODES = ("Builtin", "HPA", "Off")
+POOLS = ("router", "prefill", "decode")
+
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|ms|s|m|h)")
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_QUANTITY_UNITS = {
+    None: 1, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+
+
+class SpecError(ValueError):
+    """An LLMService spec value is invalid; the message names the field."""
+
+
+def parse_duration(text: str, field_name: str) -> float:
+    """Go-style duration ("500ms", "1m30s") -> seconds."""
+    value = str(text).strip()
+    pos, total = 0, 0.0
+    for match in _DURATION_PART.finditer(value):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        pos = match.end()
+    if not value or pos != len(value):
+        raise SpecError(f"{field_name}: {text!r} is not a duration like 500ms, 1.5s or 1m")
+    if total <= 0:
+        raise SpecError(f"{field_name}: {text!r} must be positive")
+    return total
+
+
+def parse_quantity(value: int | float | str, field_name: str) -> int:
+    """Kubernetes quantity ("8Gi", "512M", 1073741824) -> an integer count (bytes)."""
+    if isinstance(value, bool):
+        raise SpecError(f"{field_name}: {value!r} is not a quantity")
+    if isinstance(value, int | float):
+        return int(value)
+    match = _QUANTITY.match(str(value).strip())
+    if not match:
+        raise SpecError(f"{field_name}: {value!r} is not a quantity like 8Gi or 512Mi")
+    return int(float(match.group(1)) * _QUANTITY_UNITS[match.group(2)])
+
+
+def _int(data: dict[str, Any], key: str, default: int, field_name: str, minimum: int = 0) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{field_name}.{key}: {value!r} is not an integer")
+    if value < minimum:
+        raise SpecError(f"{field_name}.{key}: {value} is below the minimum {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min_replicas: int
+    max_replicas: int
+
+
+@dataclass(frozen=True)
+class TopologySpread:
+    enabled: bool = True
+    topology_key: str = "kubernetes.io/hostname"
+    max_skew: int = 1
+    when_unsatisfiable: str = "ScheduleAnyway"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Fields every pool (router, prefill, decode) shares; the pass-through ones stay dicts."""
+
+    name: str
+    replicas: int
+    resources: dict[str, Any] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    affinity: dict[str, Any] = field(default_factory=dict)
+    topology_spread: TopologySpread = field(default_factory=TopologySpread)
+    pod_annotations: dict[str, str] = field(default_factory=dict)
+    bounds: Bounds | None = None
+    # Pool-specific knobs (maxBatchTokens, maxBatchSize, blockSize, kvCacheMemory, port).
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Spec:
+    model_name: str
+    model_path: str
+    model_dtype: str
+    max_model_len: int | None
+    mount_path: str
+    volume: dict[str, Any] | None
+    image: str | None
+    image_pull_policy: str
+    image_pull_secrets: list[dict[str, str]]
+    termination_grace_seconds: int
+    router: Pool
+    prefill: Pool
+    decode: Pool
+    ttft_seconds: float
+    tpot_seconds: float
+    percentile: float
+    autoscaling_mode: str
+    monitoring_enabled: bool
+    monitoring_interval: str
+
+    def pool(self, name: str) -> Pool:
+        return {"router": self.router, "prefill": self.prefill, "decode": self.decode}[name]
+
+
+def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
+    path = f"spec.{name}"
+    if data is None:
+        if required:
+            raise SpecError(f"{path}: is required")
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: must be an object")
+    replicas = _int(data, "replicas", 1, path)
+    bounds = None
+    if "autoscaling" in data:
+        auto = data["autoscaling"] or {}
+        bounds = Bounds(
+            min_replicas=_int(auto, "minReplicas", 1, f"{path}.autoscaling"),
+            max_replicas=_int(auto, "maxReplicas", 8, f"{path}.autoscaling", minimum=1),
+        )
+        if bounds.min_replicas > bounds.max_replicas:
+            raise SpecError(
+                f"{path}.autoscaling.minReplicas: {bounds.min_replicas} exceeds "
+                f"maxReplicas {bounds.max_replicas}"
+            )
+        if not bounds.min_replicas <= replicas <= bounds.max_replicas:
+            raise SpecError(
+                f"{path}.replicas: {replicas} is outside [{bounds.min_replicas}, "
+                f"{bounds.max_replicas}] (autoscaling bounds)"
+            )
+    spread = data.get("topologySpread") or {}
+    settings: dict[str, Any] = {}
+    if name == "router":
+        settings["port"] = _int(data, "port", 8000, path, minimum=1)
+        settings["serviceType"] = data.get("serviceType", "ClusterIP")
+    elif name == "prefill":
+        settings["maxBatchTokens"] = _int(data, "maxBatchTokens", 8192, path, minimum=1)
+    else:
+        settings["maxBatchSize"] = _int(data, "maxBatchSize", 128, path, minimum=1)
+        settings["blockSize"] = _int(data, "blockSize", 16, path, minimum=1)
+    if name != "router" and "kvCacheMemory" in data:
+        settings["kvCacheMemoryBytes"] = parse_quantity(
+            data["kvCacheMemory"], f"{path}.kvCacheMemory"
+        )
+    return Pool(
+        name=name,
+        replicas=replicas,
+        resources=dict(data.get("resources") or {}),
+        node_selector=dict(data.get("nodeSelector") or {}),
+        tolerations=list(data.get("tolerations") or []),
+        affinity=dict(data.get("affinity") or {}),
+        topology_spread=TopologySpread(
+            enabled=bool(spread.get("enabled", True)),
+            topology_key=spread.get("topologyKey", "kubernetes.io/hostname"),
+            max_skew=_int(spread, "maxSkew", 1, f"{path}.topologySpread", minimum=1),
+            when_unsatisfiable=spread.get("whenUnsatisfiable", "ScheduleAnyway"),
+        ),
+        pod_annotations=dict(data.get("podAnnotations") or {}),
+        bounds=bounds,
+        settings=settings,
+    )
+
+
+def parse_spec(spec: dict[str, Any] | None) -> Spec:
+    """Validate and default an LLMService spec dict; raises SpecError naming the field."""
+    if not isinstance(spec, dict):
+        raise SpecError("spec: is required")
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        raise SpecError("spec.model: is required")
+    for key in ("name", "path"):
+        if not model.get(key):
+            raise SpecError(f"spec.model.{key}: is required")
+    if not str(model["path"]).startswith("/"):
+        raise SpecError(f"spec.model.path: {model['path']!r} must be an absolute path")
+    mount_path = model.get("mountPath", "/models")
+    volume = model.get("volume")
+    if volume is not None:
+        if not isinstance(volume, dict) or len(volume) != 1:
+            raise SpecError("spec.model.volume: must name exactly one volume source")
+        if not str(model["path"]).startswith(mount_path):
+            raise SpecError(
+                f"spec.model.path: {model['path']!r} must lie under spec.model.mountPath "
+                f"{mount_path!r}"
+            )
+    max_len = model.get("maxModelLen")
+    if max_len is not None:
+        _int(model, "maxModelLen", 1, "spec.model", minimum=1)
+    slo = spec.get("slo") or {}
+    percentile = float(slo.get("percentile", 95))
+    if not 0 < percentile < 100:
+        raise SpecError(f"spec.slo.percentile: {percentile} must be in (0, 100)")
+    autoscaling = spec.get("autoscaling") or {}
+    mode = autoscaling.get("mode", "Off")
+    if mode not in AUTOSCALING_MODES:
+        raise SpecError(f"spec.autoscaling.mode: {mode!r} is not one of Builtin, HPA, Off")
+    prefill = _pool("prefill", spec.get("prefill"), required=True)
+    decode = _pool("decode", spec.get("decode"), required=True)
+    if mode != "Off":
+        for pool in (prefill, decode):
+            if pool.bounds is None:
+                raise SpecError(
+                    f"spec.{pool.name}.autoscaling: is required when spec.autoscaling.mode is {mode}"
+                )
+    monitoring = spec.get("monitoring") or {}
+    return Spec(
+        model_name=str(model["name"]),
+        model_path=str(model["path"]),
+        model_dtype=str(model.get("dtype", "auto")),
+        max_model_len=max_len,
+        mount_path=str(mount_path),
+        volume=dict(volume) if volume else None,
+        image=spec.get("image") or None,
+        image_pull_policy=str(spec.get("imagePullPolicy", "IfNotPresent")),
+        image_pull_secrets=list(spec.get("imagePullSecrets") or []),
+        termination_grace_seconds=_int(spec, "terminationGracePeriodSeconds", 120, "spec", 1),
+        router=_pool("router", spec.get("router"), required=False),
+        prefill=prefill,
+        decode=decode,
+        ttft_seconds=parse_duration(slo.get("ttft", "500ms"), "spec.slo.ttft"),
+        tpot_seconds=parse_duration(slo.get("tpot", "50ms"), "spec.slo.tpot"),
+        percentile=percentile,
+        autoscaling_mode=mode,
+        monitoring_enabled=bool(monitoring.get("enabled", True)),
+        monitoring_interval=str(monitoring.get("interval", "15s")),
+    )

@@ -1,0 +1,166 @@
+"""LLMService status from what the cluster reports: per-pool replica counts from the Deployments,
+and Ready / Progressing / Degraded conditions in metav1.Condition shape, whose
+lastTransitionTime moves only when a condition's status changes. Pure: handlers.py supplies the
+live Deployments and the clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .spec import POOLS, Spec
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+
+@dataclass(frozen=True)
+class PoolState:
+    desired: int
+    replicas: int
+    ready: int
+    updated: int
+    rolled_out: bool  # the Deployment controller has seen the latest template
+    failure: str | None  # why the Deployment is stuck, if it says so
+
+
+def pool_state(deployment: dict[str, Any] | None, spec_replicas: int, mode: str) -> PoolState:
+    if deployment is None:
+        return PoolState(spec_replicas, 0, 0, 0, False, None)
+    meta = deployment.get("metadata") or {}
+    dspec = deployment.get("spec") or {}
+    dstatus = deployment.get("status") or {}
+    # In Builtin/HPA mode the autoscaler owns replicas: what the Deployment asks for is the truth.
+    desired = spec_replicas if mode == "Off" else int(dspec.get("replicas", spec_replicas))
+    failure = None
+    for cond in dstatus.get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("status") == "False":
+            failure = f"{cond.get('reason')}: {cond.get('message')}"
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            failure = f"{cond.get('reason')}: {cond.get('message')}"
+    return PoolState(
+        desired=desired,
+        replicas=int(dstatus.get("replicas") or 0),
+        ready=int(dstatus.get("readyReplicas") or 0),
+        updated=int(dstatus.get("updatedReplicas") or 0),
+        rolled_out=int(dstatus.get("observedGeneration") or 0) >= int(meta.get("generation") or 0),
+        failure=failure,
+    )
+
+
+def pool_settled(state: PoolState) -> bool:
+    """Rollout finished: every replica runs the latest template, is ready, and no old ones remain."""
+    return (
+        state.rolled_out
+        and state.updated >= state.desired
+        and state.ready >= state.desired
+        and state.replicas == state.desired
+    )
+
+
+def condition(
+    kind: str, status: bool, reason: str, message: str, generation: int
+) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def merge_conditions(
+    previous: list[dict[str, Any]] | None, current: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """Stamp lastTransitionTime: kept from `previous` while a condition's status is unchanged."""
+    before = {c.get("type"): c for c in previous or []}
+    merged = []
+    for cond in current:
+        old = before.get(cond["type"])
+        changed = old is None or old.get("status") != cond["status"]
+        stamp = now if changed or not old.get("lastTransitionTime") else old["lastTransitionTime"]
+        merged.append({**cond, "lastTransitionTime": stamp})
+    return merged
+
+
+def compute_status(
+    *,
+    service: str,
+    namespace: str,
+    spec: Spec,
+    generation: int,
+    observed_generation: int,
+    deployments: dict[str, dict[str, Any] | None],
+    previous_conditions: list[dict[str, Any]] | None,
+    now: str,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """The whole `status` (except kopf's bookkeeping) for one LLMService."""
+    states = {
+        pool: pool_state(deployments.get(pool), spec.pool(pool).replicas, spec.autoscaling_mode)
+        for pool in POOLS
+    }
+    missing = [pool for pool in POOLS if deployments.get(pool) is None]
+    rolling = [pool for pool in POOLS if not pool_settled(states[pool])]
+    failures = {pool: s.failure for pool, s in states.items() if s.failure}
+    empty = [pool for pool in POOLS if states[pool].ready == 0]
+    pending = observed_generation < generation
+
+    if error:
+        ready = (False, "ReconcileFailed", error)
+    elif missing:
+        ready = (False, "ChildrenMissing", f"Deployments missing for: {', '.join(missing)}")
+    elif pending:
+        ready = (False, "Reconciling", f"generation {generation} is not applied yet")
+    elif rolling:
+        ready = (False, "RollingOut", "pools not ready: " + ", ".join(
+            f"{p} {states[p].ready}/{states[p].desired}" for p in rolling))
+    elif empty:
+        ready = (False, "NoReplicas", f"no ready replicas in: {', '.join(empty)}")
+    else:
+        ready = (True, "AllPoolsReady", "router, prefill and decode pools are ready")
+
+    if pending or missing or rolling:
+        progressing = (True, "RollingOut", "updating: " + ", ".join(missing or rolling or ["spec"]))
+    else:
+        progressing = (False, "RolloutComplete", "all pools run the latest template")
+
+    if error:
+        degraded = (True, "ReconcileFailed", error)
+    elif failures:
+        degraded = (True, "DeploymentFailing", "; ".join(f"{p}: {m}" for p, m in failures.items()))
+    else:
+        degraded = (False, "AsExpected", "no failures reported")
+
+    current = [
+        condition("Ready", *ready, generation=observed_generation),
+        condition("Progressing", *progressing, generation=observed_generation),
+        condition("Degraded", *degraded, generation=observed_generation),
+    ]
+    port = spec.router.settings["port"]
+    status: dict[str, Any] = {
+        "observedGeneration": observed_generation,
+        "endpoint": f"http://{service}-router.{namespace}.svc:{port}",
+        "conditions": merge_conditions(previous_conditions, current, now),
+    }
+    for pool, state in states.items():
+        status[pool] = {
+            "replicas": state.replicas,
+            "readyReplicas": state.ready,
+            "updatedReplicas": state.updated,
+            "desiredReplicas": state.desired,
+            "ready": f"{state.ready}/{state.desired}",
+        }
+    return status
+
+
+def invalid_status(
+    message: str, generation: int, previous_conditions: list[dict[str, Any]] | None, now: str
+) -> dict[str, Any]:
+    """Status for a spec the operator cannot build (the CRD schema should have rejected it)."""
+    current = [
+        condition("Ready", False, "InvalidSpec", message, generation),
+        condition("Progressing", False, "InvalidSpec", message, generation),
+        condition("Degraded", True, "InvalidSpec", message, generation),
+    ]
+    return {"conditions": merge_conditions(previous_conditions, current, now)}

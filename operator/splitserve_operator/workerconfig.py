@@ -1,0 +1,62 @@
+"""Renders an LLMService spec into the workers' ServingConfig (the operator <-> worker contract in
+splitserve_workers.config) and hashes it: the hash goes on the pod templates so a config change
+rolls the pools."""
+
+from __future__ import annotations
+
+import hashlib
+
+from splitserve_workers.config import (
+    DecodeSettings,
+    ModelSettings,
+    PrefillSettings,
+    RouterSettings,
+    ServingConfig,
+    SLOSettings,
+)
+
+from .names import DECODE_PORT, PREFILL_PORT, pool_service_host
+from .spec import Spec
+
+
+def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str) -> ServingConfig:
+    prefill = PrefillSettings(port=PREFILL_PORT, max_batch_tokens=spec.prefill.settings["maxBatchTokens"])
+    if "kvCacheMemoryBytes" in spec.prefill.settings:
+        prefill.kv_cache_memory_bytes = spec.prefill.settings["kvCacheMemoryBytes"]
+    decode = DecodeSettings(
+        port=DECODE_PORT,
+        max_batch_size=spec.decode.settings["maxBatchSize"],
+        block_size=spec.decode.settings["blockSize"],
+    )
+    if "kvCacheMemoryBytes" in spec.decode.settings:
+        decode.kv_cache_memory_bytes = spec.decode.settings["kvCacheMemoryBytes"]
+    prefill_host = pool_service_host(service, "prefill", namespace, cluster_domain)
+    decode_host = pool_service_host(service, "decode", namespace, cluster_domain)
+    config = ServingConfig(
+        service=service,
+        model=ModelSettings(
+            path=spec.model_path,
+            name=spec.model_name,
+            dtype=spec.model_dtype,
+            max_model_len=spec.max_model_len,
+        ),
+        prefill=prefill,
+        decode=decode,
+        router=RouterSettings(
+            port=spec.router.settings["port"],
+            discovery="dns",
+            prefill_service=f"{prefill_host}:{PREFILL_PORT}",
+            decode_service=f"{decode_host}:{DECODE_PORT}",
+        ),
+        slo=SLOSettings(
+            ttft_seconds=spec.ttft_seconds,
+            tpot_seconds=spec.tpot_seconds,
+            percentile=spec.percentile,
+        ),
+    )
+    config.validate()
+    return config
+
+
+def config_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
