@@ -10,6 +10,9 @@ import sys
 
 # name -> (module, one-line help). Order is the order `splitserve --help` shows.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "prefill": ("splitserve_workers.prefill_worker", "Prefill worker: prompt -> first token + KV."),
+    "decode": ("splitserve_workers.decode_worker", "Decode worker: reserve, receive KV, generate."),
+    "colocated": ("splitserve_workers.colocated_worker", "Worker doing prefill and decode."),
     "router": ("splitserve_workers.router.app", "OpenAI-compatible router in front of the pools."),
     "up": ("splitserve_workers.local", "Run router + prefill/decode pools locally (local mode)."),
     "operator": ("splitserve_operator.cli", "Run the LLMService operator (kopf)."),

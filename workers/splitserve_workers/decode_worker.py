@@ -1,0 +1,365 @@
+"""`splitserve decode`: the decode worker. Reserve takes KV blocks for a request before its prefill
+starts (admission control), PushKV receives the prefill worker's layer-wise KV straight into
+those blocks, and Generate continues the sequence with continuous batching and streams tokens.
+
+Leases (reservations.py) free the blocks of any transfer that stalls, breaks or sends garbage;
+chunk checks live in kv_transfer.TransferTracker; process plumbing in worker_runtime.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from splitserve_workers import worker_runtime as rt
+from splitserve_workers.engine_loop import EngineFailure
+from splitserve_workers.kv_transfer import (
+    REQUEST_ID_METADATA,
+    KVChunkError,
+    KVChunkView,
+    TransferTracker,
+    check_compatible,
+    parse_kv_chunk,
+)
+from splitserve_workers.proto import serving_pb2 as pb
+from splitserve_workers.reservations import Failure, Reservation, Reservations, State
+
+log = logging.getLogger(__name__)
+
+SERVICE = "splitserve.v1.DecodeService"
+
+
+class DecodeRole:
+    def __init__(self, worker: rt.Worker) -> None:
+        self.w = worker
+        self.engine = worker.engine
+        self.loop = worker.loop
+        self.reservations = Reservations(self._release, lease_s=worker.settings.lease_s)
+        self._reserving: set[str] = set()
+        self._active = 0
+        # import_kv copies into the cache; one thread keeps the event loop free of it.
+        self._imports = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-import")
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    # ---- wiring ----
+    def register(self, server: grpc.aio.Server) -> None:
+        def unary(fn: Any, req: Any, resp: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+            )
+
+        handlers = {
+            "Reserve": unary(self.Reserve, pb.ReserveRequest, pb.ReserveResponse),
+            # KV chunks are parsed by hand: key/value stay memoryviews into the received bytes.
+            "PushKV": grpc.stream_unary_rpc_method_handler(
+                self.PushKV,
+                request_deserializer=parse_kv_chunk,
+                response_serializer=pb.PushKVResponse.SerializeToString,
+            ),
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.Generate,
+                request_deserializer=pb.GenerateRequest.FromString,
+                response_serializer=pb.TokenEvent.SerializeToString,
+            ),
+            "Abort": unary(self.Abort, pb.AbortRequest, pb.AbortResponse),
+            "Load": unary(self.Load, pb.LoadRequest, pb.LoadReport),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+    def busy(self) -> int:
+        return self._active + self.reservations.live
+
+    async def close(self) -> None:
+        self._sweeper.cancel()
+        self.reservations.fail_all(
+            Failure(grpc.StatusCode.UNAVAILABLE, "decode worker shutting down", "shutdown"),
+            time.monotonic(),
+        )
+        self._imports.shutdown(wait=True)
+
+    def _release(self, request_id: str) -> None:
+        try:
+            self.engine.release(request_id)
+        except Exception:  # noqa: BLE001 - already gone is fine; log anything else
+            log.exception("release %s", request_id)
+
+    async def _sweep(self) -> None:
+        period = min(0.25, self.reservations.lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            for res in self.reservations.expire(time.monotonic()):
+                log.warning("%s", res.failure.message if res.failure else res.request_id)
+                self.w.metrics.rejected("lease_expired")
+                task = res.stream_task
+                if task is not None and not task.done():
+                    task.cancel()  # the PushKV handler answers DEADLINE_EXCEEDED
+
+    # ---- RPCs ----
+    async def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReserveResponse:
+        await self.w.refuse_if_draining(context)
+        rid = request.request_id
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        if not request.HasField("model"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "model: the ModelSpec of the prefill side is required (from its Load report)",
+            )
+        n = request.num_prompt_tokens
+        max_len = self.engine.model_config.max_model_len
+        if n < 1 or n >= max_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_prompt_tokens: {n} must be in [1, {max_len - 1}] (max_model_len {max_len})",
+            )
+
+        def refuse(reason: str, label: str) -> pb.ReserveResponse:
+            self.w.metrics.rejected(label)
+            return pb.ReserveResponse(
+                accepted=False, reason=reason, free_blocks=self.engine.stats().free_blocks
+            )
+
+        why = check_compatible(self.w.spec, request.model)
+        if why is not None:
+            return refuse(why, "incompatible")
+        if rid in self.reservations or rid in self._reserving:
+            return refuse(f"duplicate request_id {rid!r}", "duplicate")
+        self._reserving.add(rid)
+        try:
+            ok = await asyncio.get_running_loop().run_in_executor(None, self.engine.reserve, rid, n)
+        finally:
+            self._reserving.discard(rid)
+        if not ok:
+            return refuse("no_free_blocks", "no_free_blocks")
+        spec = self.w.spec
+        tracker = TransferTracker(
+            rid, n, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype
+        )
+        self.reservations.add(rid, tracker, time.monotonic())
+        return pb.ReserveResponse(
+            accepted=True,
+            lease_ms=int(self.reservations.lease_s * 1000),
+            free_blocks=self.engine.stats().free_blocks,
+        )
+
+    def _fail(self, res: Reservation, code: grpc.StatusCode, message: str, reason: str) -> None:
+        if self.reservations.fail(res, Failure(code, message, reason), time.monotonic()):
+            self.w.metrics.rejected(reason)
+            log.warning("transfer %s failed: %s", res.request_id, message)
+
+    async def _open_stream(self, rid: str, context: grpc.aio.ServicerContext) -> Reservation:
+        res = self.reservations.get(rid)
+        if res is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request_id: {rid!r} has no reservation on this worker (never reserved, "
+                "expired, or already generating)",
+            )
+            raise AssertionError  # unreachable: abort raises
+        if res.state is State.FAILED and res.failure is not None:
+            await context.abort(res.failure.code, res.failure.message)
+        if res.state is not State.RECEIVING:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"request_id: {rid!r} KV is already complete"
+            )
+        if res.stream_open:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request_id: {rid!r} already has an open PushKV stream",
+            )
+        res.stream_open = True
+        res.stream_task = asyncio.current_task()
+        self.reservations.touch(res, time.monotonic())
+        return res
+
+    async def PushKV(
+        self, request_iterator: AsyncIterator[KVChunkView], context: grpc.aio.ServicerContext
+    ) -> pb.PushKVResponse:
+        rid = dict(context.invocation_metadata() or ()).get(REQUEST_ID_METADATA)
+        res: Reservation | None = None
+        self._active += 1
+        try:
+            if rid:
+                res = await self._open_stream(str(rid), context)
+            try:
+                async for chunk in request_iterator:
+                    if res is None:
+                        if chunk.malformed:
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, chunk.malformed)
+                        res = await self._open_stream(chunk.request_id, context)
+                    if res.state is State.FAILED and res.failure is not None:
+                        await context.abort(res.failure.code, res.failure.message)
+                    try:
+                        kv = res.tracker.accept(chunk)
+                    except KVChunkError as e:
+                        self._fail(res, e.code, e.message, "invalid_chunk")
+                        await context.abort(e.code, e.message)
+                        raise  # unreachable
+                    self.reservations.touch(res, time.monotonic())
+                    if kv is not None:
+                        await self._import(res, chunk, kv, context)
+                    if chunk.last:
+                        if not res.tracker.complete:
+                            msg = (
+                                f"last chunk arrived with {res.tracker.progress()} of "
+                                f"{res.request_id}'s KV"
+                            )
+                            self._fail(res, grpc.StatusCode.FAILED_PRECONDITION, msg, "incomplete")
+                            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+                        self.reservations.mark_complete(res, time.monotonic())
+                        return pb.PushKVResponse(chunks=res.tracker.chunks, bytes=res.tracker.bytes)
+            except asyncio.CancelledError:
+                # Either the lease sweeper cancelled us (answer its DEADLINE_EXCEEDED) or the
+                # sender went away (the stream is cut: free the blocks).
+                if res is not None and res.state is State.FAILED and res.failure is not None:
+                    await context.abort(res.failure.code, res.failure.message)
+                if res is not None:
+                    self._fail(
+                        res,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"KV stream for {res.request_id} was cut before the last chunk "
+                        f"({res.tracker.progress()} received)",
+                        "stream_cut",
+                    )
+                raise
+            if res is None:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "empty PushKV stream (no request_id)"
+                )
+                raise AssertionError  # unreachable
+            msg = (
+                f"KV stream for {res.request_id} ended without the last chunk "
+                f"({res.tracker.progress()} received)"
+            )
+            self._fail(res, grpc.StatusCode.FAILED_PRECONDITION, msg, "stream_cut")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+            raise AssertionError  # unreachable
+        finally:
+            self._active -= 1
+            if res is not None:
+                res.stream_open = False
+                res.stream_task = None
+
+    async def _import(
+        self, res: Reservation, chunk: KVChunkView, kv: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        k, v = kv
+        res.busy += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._imports,
+                self.engine.import_kv,
+                res.request_id,
+                chunk.layer,
+                chunk.token_start,
+                k,
+                v,
+            )
+        except ValueError as e:
+            self._fail(res, grpc.StatusCode.INVALID_ARGUMENT, f"import_kv: {e}", "invalid_chunk")
+            raise_after = e
+        else:
+            raise_after = None
+        finally:
+            self.reservations.import_done(res)
+        if raise_after is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"import_kv: {raise_after}")
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TokenEvent]:
+        rid = request.request_id
+        res = self.reservations.get(rid)
+        if res is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request_id: {rid!r} has no reservation on this worker",
+            )
+            return
+        if res.state is State.FAILED and res.failure is not None:
+            await context.abort(res.failure.code, f"KV transfer failed: {res.failure.message}")
+        try:
+            params = rt.sampling_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            if len(prompt) != res.num_prompt_tokens:
+                raise ValueError(
+                    f"prompt_token_ids: {len(prompt)} tokens, but {res.num_prompt_tokens} "
+                    "were reserved"
+                )
+        except ValueError as e:
+            self._fail(res, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_request")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        res.generate_waiting = True
+        self._active += 1
+        started = finished = False
+        try:
+            await res.settled.wait()
+            if res.state is State.FAILED and res.failure is not None:
+                await context.abort(res.failure.code, f"KV transfer failed: {res.failure.message}")
+            self.reservations.take(res)
+            try:
+                stream = self.loop.start_decode(
+                    rid,
+                    prompt,
+                    request.first_token,
+                    params,
+                    rt.priority_from_proto(request.priority),
+                )
+            except ValueError as e:
+                self._release(rid)
+                finished = True
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            started = True
+            while True:
+                try:
+                    outs = await stream.next_batch()
+                except EngineFailure as e:
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, str(e))
+                ev = rt.token_event(outs)
+                if ev.finished:
+                    finished = True
+                yield ev
+                if finished:
+                    return
+        finally:
+            self._active -= 1
+            if not finished:
+                # The router went away (or the stream broke): free the blocks.
+                if started:
+                    self.loop.abort(rid)
+                    self.loop.forget(rid)
+                else:
+                    self._fail(res, grpc.StatusCode.CANCELLED, "Generate cancelled", "cancelled")
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        res = self.reservations.get(request.request_id)
+        if res is not None and res.state is not State.FAILED:
+            self._fail(res, grpc.StatusCode.CANCELLED, "aborted by the router", "aborted")
+            return pb.AbortResponse(found=True)
+        return pb.AbortResponse(found=self.loop.abort(request.request_id))
+
+    async def Load(
+        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadReport:
+        return self.w.load_report()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    rt.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    return rt.run_role("decode", args, DecodeRole)

@@ -1,0 +1,572 @@
+"""Moving one request's KV cache from a prefill worker to a decode worker over DecodeService.PushKV.
+
+The prefill side (`KVSender`) turns each layer slice the engine hands to `on_kv` into one finished
+KVChunk message on the engine thread (the only copy on that side), queues it in a bounded queue
+(backpressure) and streams it over a pooled channel with the sync gRPC API. The decode side parses
+chunks without copying (`parse_kv_chunk`: memoryviews into the received bytes), checks them
+(`TransferTracker`) and hands torch views to engine.import_kv. Both ends share the channel settings
+and the compatibility check (`model_spec`, `check_compatible`). reservations.py owns the leases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from splitserve_workers.proto import serving_pb2
+
+# One KV message carries key+value for a token range of one layer; 8 MiB keeps HTTP/2 framing
+# cheap and pipelining fine-grained (bench/kv_transfer.py measures the choice).
+DEFAULT_CHUNK_BYTES = 8 << 20
+# Per-transfer queue between the engine thread and the sender: a few layers of a long prompt.
+DEFAULT_QUEUE_BYTES = 64 << 20
+# Message-size limit on both ends: a chunk plus its header, with room for larger chunk settings.
+MAX_KV_MESSAGE_BYTES = 80 << 20
+DEFAULT_CHANNELS_PER_PEER = 4
+
+PUSH_KV_METHOD = "/splitserve.v1.DecodeService/PushKV"
+REQUEST_ID_METADATA = "splitserve-request-id"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# torch.frombuffer warns that the received bytes are read-only; we only ever read them
+# (import_kv copies into the cache), so the warning is noise.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def kv_channel_options() -> list[tuple[str, Any]]:
+    """gRPC channel/server options for the KV path (both ends use them)."""
+    return [
+        ("grpc.max_send_message_length", MAX_KV_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_KV_MESSAGE_BYTES),
+        # A larger initial HTTP/2 window lets a multi-MiB chunk flow without waiting for the
+        # BDP estimator to grow the window from 64 KiB.
+        ("grpc.http2.lookahead_bytes", 16 << 20),
+        ("grpc.http2.max_frame_size", 1 << 20),
+        ("grpc.http2.bdp_probe", 1),
+        # Each pooled channel gets its own TCP connection (the default subchannel pool would
+        # share one connection between channels with equal arguments).
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+
+
+# ---- compatibility ---------------------------------------------------------------------------
+
+
+def model_fingerprint(model_dir: str | Path, name: str = "") -> str:
+    """`<name>@<sha256 of config.json, 12 hex>`: equal only for the same architecture config."""
+    path = Path(model_dir)
+    digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
+    return f"{name or path.name}@{digest}"
+
+
+def model_spec(engine: Any, model_name: str, block_size: int) -> serving_pb2.ModelSpec:
+    """This worker's side of the compatibility check, from a loaded engine."""
+    mc = engine.model_config
+    return serving_pb2.ModelSpec(
+        model=model_name,
+        dtype=DTYPE_NAMES.get(engine.dtype, str(engine.dtype)),
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=block_size,
+    )
+
+
+def check_compatible(local: serving_pb2.ModelSpec, remote: serving_pb2.ModelSpec) -> str | None:
+    """None when KV computed by one can be imported by the other, else the first mismatch.
+
+    block_size is not compared: chunks carry token ranges, and each side pages them itself.
+    """
+    for name in ("model", "dtype", "num_layers", "num_kv_heads", "head_dim"):
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine != theirs:
+            return f"incompatible: {name} {theirs!r} != this worker's {mine!r}"
+    return None
+
+
+# ---- wire format -----------------------------------------------------------------------------
+# KVChunk fields 6 (key) and 7 (value) are length-delimited bytes. Writing them by hand lets the
+# tensor bytes go straight into the outgoing message, and reading them by hand gives memoryviews
+# instead of copies. The result is ordinary protobuf: generated stubs interoperate both ways.
+
+_KEY_TAG = bytes([(6 << 3) | 2])
+_VALUE_TAG = bytes([(7 << 3) | 2])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a tensor's data (on CPU, contiguous; bfloat16 viewed as bytes)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def encode_kv_chunk(
+    request_id: str,
+    layer: int,
+    token_start: int,
+    token_count: int,
+    dtype: str,
+    key: bytes | memoryview,
+    value: bytes | memoryview,
+    last: bool = False,
+) -> bytes:
+    """A serialized KVChunk; key/value are copied once, into the message itself."""
+    header = serving_pb2.KVChunk(
+        request_id=request_id,
+        layer=layer,
+        token_start=token_start,
+        token_count=token_count,
+        dtype=dtype,
+        last=last,
+    ).SerializeToString()
+    parts: list[bytes | memoryview] = [header]
+    if len(key):
+        parts += [_KEY_TAG, _varint(len(key)), key]
+    if len(value):
+        parts += [_VALUE_TAG, _varint(len(value)), value]
+    return b"".join(parts)
+
+
+@dataclass
+class KVChunkView:
+    """A parsed KVChunk whose key/value are memoryviews into the received message."""
+
+    request_id: str = ""
+    layer: int = 0
+    token_start: int = 0
+    token_count: int = 0
+    dtype: str = ""
+    key: memoryview = field(default_factory=lambda: memoryview(b""))
+    value: memoryview = field(default_factory=lambda: memoryview(b""))
+    last: bool = False
+    nbytes: int = 0
+    malformed: str | None = None  # why the bytes are not a KVChunk (reported as INVALID_ARGUMENT)
+
+
+def _int32(v: int) -> int:
+    v &= (1 << 64) - 1
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def parse_kv_chunk(data: bytes) -> KVChunkView:
+    """Parse a serialized KVChunk without copying key/value. Never raises: a malformed message
+    comes back with `malformed` set, so the handler can answer INVALID_ARGUMENT with a reason."""
+    chunk = KVChunkView(nbytes=len(data))
+    mv = memoryview(data)
+    pos, end = 0, len(data)
+
+    def varint() -> int:
+        nonlocal pos
+        shift = result = 0
+        while True:
+            if pos >= end or shift > 63:
+                raise ValueError("truncated varint")
+            b = data[pos]
+            pos += 1
+            result |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return result
+            shift += 7
+
+    try:
+        while pos < end:
+            tag = varint()
+            number, wire = tag >> 3, tag & 7
+            if wire == 0:
+                v = varint()
+                if number == 2:
+                    chunk.layer = _int32(v)
+                elif number == 3:
+                    chunk.token_start = _int32(v)
+                elif number == 4:
+                    chunk.token_count = _int32(v)
+                elif number == 8:
+                    chunk.last = bool(v)
+            elif wire == 2:
+                n = varint()
+                if pos + n > end:
+                    raise ValueError(f"field {number} runs past the end of the message")
+                piece = mv[pos : pos + n]
+                pos += n
+                if number == 1:
+                    chunk.request_id = bytes(piece).decode("utf-8")
+                elif number == 5:
+                    chunk.dtype = bytes(piece).decode("utf-8")
+                elif number == 6:
+                    chunk.key = piece
+                elif number == 7:
+                    chunk.value = piece
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            else:
+                raise ValueError(f"unsupported wire type {wire} for field {number}")
+            if pos > end:
+                raise ValueError("message truncated")
+    except (ValueError, UnicodeDecodeError) as e:
+        chunk.malformed = f"not a KVChunk: {e}"
+    return chunk
+
+
+# ---- decode side: checking a transfer --------------------------------------------------------
+
+
+class KVChunkError(Exception):
+    """A chunk or stream that breaks the transfer; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class TransferTracker:
+    """What one reserved request must still receive: every prompt token of every layer, once.
+
+    Pure bookkeeping (no I/O): `accept` validates a chunk and returns torch views of its key and
+    value, raising KVChunkError with INVALID_ARGUMENT for anything malformed or out of range.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+    ) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.torch_dtype = DTYPES[dtype]
+        self.itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        self._covered = [bytearray(num_tokens) for _ in range(num_layers)]
+        self.received_token_layers = 0
+        self.chunks = 0
+        self.bytes = 0
+
+    @property
+    def expected_token_layers(self) -> int:
+        return self.num_tokens * self.num_layers
+
+    @property
+    def complete(self) -> bool:
+        return self.received_token_layers == self.expected_token_layers
+
+    def progress(self) -> str:
+        return f"{self.received_token_layers} of {self.expected_token_layers} token-layers"
+
+    def accept(self, chunk: KVChunkView) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Validate one chunk; returns (k, v) views shaped [tokens, kv_heads, head_dim], or None
+        for an empty chunk (allowed only as a bare `last` marker)."""
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if chunk.malformed:
+            raise KVChunkError(bad, chunk.malformed)
+        if chunk.request_id != self.request_id:
+            raise KVChunkError(
+                bad,
+                f"request_id: chunk for {chunk.request_id!r} on the stream of {self.request_id!r}",
+            )
+        if chunk.token_count == 0 and not len(chunk.key) and not len(chunk.value):
+            if not chunk.last:
+                raise KVChunkError(bad, "token_count: 0 is only allowed on the last chunk")
+            return None
+        if chunk.dtype != self.dtype:
+            raise KVChunkError(
+                bad, f"dtype: {chunk.dtype!r} does not match the reservation's {self.dtype!r}"
+            )
+        if not 0 <= chunk.layer < self.num_layers:
+            raise KVChunkError(bad, f"layer: {chunk.layer} is outside [0, {self.num_layers - 1}]")
+        start, count = chunk.token_start, chunk.token_count
+        if count < 0 or start < 0 or start + count > self.num_tokens:
+            raise KVChunkError(
+                bad,
+                f"token_start/token_count: [{start}, {start + count}) is outside the "
+                f"{self.num_tokens} reserved prompt tokens",
+            )
+        expected = count * self.num_kv_heads * self.head_dim * self.itemsize
+        for name, data in (("key", chunk.key), ("value", chunk.value)):
+            if len(data) != expected:
+                raise KVChunkError(
+                    bad,
+                    f"{name}: {len(data)} bytes, expected {expected} (token_count {count} x "
+                    f"kv_heads {self.num_kv_heads} x head_dim {self.head_dim} x "
+                    f"{self.itemsize} bytes of {self.dtype})",
+                )
+        covered = self._covered[chunk.layer]
+        if covered.find(1, start, start + count) != -1:
+            raise KVChunkError(
+                bad,
+                f"duplicate chunk: layer {chunk.layer} tokens [{start}, {start + count}) "
+                "overlap tokens already received",
+            )
+        covered[start : start + count] = b"\x01" * count
+        self.received_token_layers += count
+        self.chunks += 1
+        self.bytes += len(chunk.key) + len(chunk.value)
+        shape = (count, self.num_kv_heads, self.head_dim)
+        k = torch.frombuffer(chunk.key, dtype=self.torch_dtype).view(shape)
+        v = torch.frombuffer(chunk.value, dtype=self.torch_dtype).view(shape)
+        return k, v
+
+
+# ---- prefill side: sending a transfer --------------------------------------------------------
+
+
+class ChannelPool:
+    """A few sync gRPC channels per decode endpoint (each its own TCP connection), handed out
+    round-robin so concurrent transfers to one peer spread over connections."""
+
+    def __init__(self, channels_per_peer: int = DEFAULT_CHANNELS_PER_PEER) -> None:
+        self.channels_per_peer = channels_per_peer
+        self._lock = threading.Lock()
+        self._channels: dict[str, list[grpc.Channel]] = {}
+        self._next: dict[str, Iterator[int]] = {}
+
+    def get(self, endpoint: str) -> grpc.Channel:
+        with self._lock:
+            if endpoint not in self._channels:
+                self._channels[endpoint] = [
+                    grpc.insecure_channel(
+                        endpoint,
+                        options=kv_channel_options() + [("grpc.channel_id", i)],
+                        compression=grpc.Compression.NoCompression,
+                    )
+                    for i in range(self.channels_per_peer)
+                ]
+                self._next[endpoint] = itertools.cycle(range(self.channels_per_peer))
+            return self._channels[endpoint][next(self._next[endpoint])]
+
+    def push_kv(self, endpoint: str) -> grpc.StreamUnaryMultiCallable:
+        # Messages are already serialized (encode_kv_chunk), so the serializer is the identity.
+        return self.get(endpoint).stream_unary(
+            PUSH_KV_METHOD,
+            request_serializer=lambda b: b,
+            response_deserializer=serving_pb2.PushKVResponse.FromString,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            for chans in self._channels.values():
+                for c in chans:
+                    c.close()
+            self._channels.clear()
+
+
+class _Closed(Exception):
+    pass
+
+
+class ChunkQueue:
+    """Bounded by bytes, between the engine thread (put blocks when full: backpressure) and the
+    gRPC request iterator. `close` wakes both sides; puts after close are dropped."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: deque[bytes | None] = deque()
+        self._bytes = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def put(self, item: bytes | None) -> bool:
+        size = len(item) if item is not None else 0
+        with self._cond:
+            # An item larger than the whole budget still goes in once the queue is empty.
+            while not self._closed and self._items and self._bytes + size > self.max_bytes:
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._items.append(item)
+            self._bytes += size
+            self._cond.notify_all()
+            return True
+
+    def get(self) -> bytes | None:
+        """Next message, or None at the end of the stream; raises _Closed if closed early."""
+        with self._cond:
+            while not self._items and not self._closed:
+                self._cond.wait()
+            if not self._items:
+                raise _Closed
+            item = self._items.popleft()
+            self._bytes -= len(item) if item is not None else 0
+            self._cond.notify_all()
+            return item
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._items.clear()
+            self._bytes = 0
+            self._cond.notify_all()
+
+
+@dataclass
+class TransferResult:
+    bytes: int
+    chunks: int
+    first_send: float  # time.monotonic() when the first chunk left the queue
+    acked: float  # when decode acknowledged the complete transfer
+
+
+class KVSender:
+    """Streams one request's KV to a decode worker as the engine computes it.
+
+    `on_kv` is the engine callback (engine thread): it copies the slice into ready-to-send
+    messages, split to at most `chunk_bytes`, and blocks while the queue is full. The message
+    carrying the last token-layer has `last` set. `start` opens the PushKV stream (gRPC's own
+    thread drains the queue); `future` resolves to a TransferResult or raises grpc.RpcError.
+    """
+
+    def __init__(
+        self,
+        pool: ChannelPool,
+        endpoint: str,
+        request_id: str,
+        num_tokens: int,
+        num_layers: int,
+        dtype: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        timeout: float | None = None,
+    ) -> None:
+        self.pool = pool
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.dtype = dtype
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        self.expected_token_layers = num_tokens * num_layers
+        self.sent_token_layers = 0  # counted in on_kv, i.e. queued
+        self.queue = ChunkQueue(queue_bytes)
+        self.bytes = 0
+        self.chunks = 0
+        self.first_kv_at: float | None = None
+        self.last_kv_at: float | None = None
+        self._first_send: float | None = None
+        self._call: Any = None
+        self.future: Future[TransferResult] = Future()
+
+    # engine thread
+    def on_kv(
+        self, request_id: str, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        now = time.monotonic()
+        if self.first_kv_at is None:
+            self.first_kv_at = now
+        n = int(k.shape[0])
+        kb, vb = tensor_bytes(k), tensor_bytes(v)
+        per_token = len(kb) // n if n else 0
+        step = max(1, self.chunk_bytes // max(1, 2 * per_token)) if per_token else max(n, 1)
+        for off in range(0, n, step):
+            cnt = min(step, n - off)
+            self.sent_token_layers += cnt
+            last = self.sent_token_layers >= self.expected_token_layers
+            msg = encode_kv_chunk(
+                request_id,
+                layer,
+                token_start + off,
+                cnt,
+                self.dtype,
+                kb[off * per_token : (off + cnt) * per_token],
+                vb[off * per_token : (off + cnt) * per_token],
+                last=last,
+            )
+            self.bytes += 2 * cnt * per_token
+            self.chunks += 1
+            if not self.queue.put(msg):
+                return  # the stream already failed; the caller sees it in `future`
+            if last:
+                self.queue.put(None)
+        self.last_kv_at = time.monotonic()
+
+    def _messages(self) -> Iterator[bytes]:
+        while True:
+            try:
+                item = self.queue.get()
+            except _Closed:
+                return
+            if item is None:
+                return
+            if self._first_send is None:
+                self._first_send = time.monotonic()
+            yield item
+
+    def start(self) -> None:
+        call = self.pool.push_kv(self.endpoint).future(
+            self._messages(),
+            timeout=self.timeout,
+            metadata=((REQUEST_ID_METADATA, self.request_id),),
+            compression=grpc.Compression.NoCompression,
+        )
+        self._call = call
+        call.add_done_callback(self._done)
+
+    def _done(self, call: Any) -> None:
+        self.queue.close()  # unblocks an engine thread waiting in on_kv
+        try:
+            call.result()
+        except grpc.RpcError as e:
+            self.future.set_exception(e)
+            return
+        except Exception as e:  # a cancelled grpc future raises FutureCancelledError
+            self.future.set_exception(e)
+            return
+        acked = time.monotonic()
+        self.future.set_result(
+            TransferResult(
+                bytes=self.bytes,
+                chunks=self.chunks,
+                first_send=self._first_send or acked,
+                acked=acked,
+            )
+        )
+
+    def finish_incomplete(self) -> None:
+        """Prefill ended but not every token-layer was queued (should not happen with a correct
+        engine): send a bare last marker so decode rejects the transfer instead of waiting."""
+        if self.sent_token_layers < self.expected_token_layers:
+            self.queue.put(encode_kv_chunk(self.request_id, 0, 0, 0, self.dtype, b"", b"", True))
+            self.queue.put(None)
+
+    def cancel(self) -> None:
+        self.queue.close()
+        if self._call is not None:
+            self._call.cancel()

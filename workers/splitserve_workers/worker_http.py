@@ -1,0 +1,136 @@
+"""A worker's HTTP side: /health (liveness), /ready (readiness: false while loading or draining)
+and /metrics (Prometheus text from the worker's own registry), plus the updater that turns each
+engine iteration's IterationStats into the worker_metrics() families. worker_runtime.py runs it
+next to the gRPC server in the same event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from splitserve_workers.metrics import WorkerMetrics, worker_metrics
+
+if TYPE_CHECKING:
+    from splitserve_workers.engine import IterationStats
+
+
+@dataclass
+class WorkerStatus:
+    """What the probes report; the runtime flips these."""
+
+    loaded: bool = False
+    draining: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded and not self.draining
+
+
+class WorkerMetricsUpdater:
+    """Feeds worker_metrics() from engine.stats() after every iteration (engine thread) and counts
+    rejections (event-loop thread). prometheus_client metrics are thread-safe."""
+
+    def __init__(self, registry: CollectorRegistry, service: str, pool: str, model: str) -> None:
+        self.m: WorkerMetrics = worker_metrics(registry)
+        self.labels = {"service": service, "pool": pool, "model": model}
+        self._lock = threading.Lock()
+        self._last_totals: dict[str, int] = {}
+        # Touch every labelled child so the families exist (at 0) before the first request.
+        for metric in (
+            self.m.requests_running,
+            self.m.requests_waiting,
+            self.m.max_batch_size,
+            self.m.max_batch_tokens,
+            self.m.kv_cache_usage_ratio,
+            self.m.kv_blocks_free,
+            self.m.kv_blocks_total,
+            self.m.queued_prefill_tokens,
+            self.m.preemptions,
+            self.m.prefix_cache_hits,
+            self.m.prefix_cache_queries,
+            self.m.prompt_tokens_processed,
+            self.m.generation_tokens_processed,
+            self.m.draining,
+        ):
+            metric.labels(**self.labels)
+
+    def set_limits(self, max_batch_size: int, max_batch_tokens: int) -> None:
+        self.m.max_batch_size.labels(**self.labels).set(max_batch_size)
+        self.m.max_batch_tokens.labels(**self.labels).set(max_batch_tokens)
+
+    def set_draining(self, draining: bool) -> None:
+        self.m.draining.labels(**self.labels).set(1 if draining else 0)
+
+    def rejected(self, reason: str) -> None:
+        self.m.requests_rejected.labels(**self.labels, reason=reason).inc()
+
+    def _delta(self, name: str, total: int) -> int:
+        # The engine reports cumulative totals; Prometheus counters want increments.
+        prev = self._last_totals.get(name)
+        self._last_totals[name] = total
+        return max(0, total - prev) if prev is not None else max(0, total)
+
+    def observe(self, s: IterationStats) -> None:
+        """One engine iteration -> gauges, histograms and counter increments."""
+        lb = self.labels
+        m = self.m
+        with self._lock:
+            m.requests_running.labels(**lb).set(s.num_running)
+            m.requests_waiting.labels(**lb).set(s.num_waiting)
+            m.kv_cache_usage_ratio.labels(**lb).set(s.kv_usage)
+            m.kv_blocks_free.labels(**lb).set(s.free_blocks)
+            m.kv_blocks_total.labels(**lb).set(s.total_blocks)
+            m.queued_prefill_tokens.labels(**lb).set(s.queued_prefill_tokens)
+            batch = s.batch_size
+            tokens = s.num_prefill_tokens + s.num_decode_tokens
+            if batch > 0:
+                m.batch_size.labels(**lb).observe(batch)
+            if tokens > 0:
+                m.iteration_tokens.labels(**lb).observe(tokens)
+            m.prompt_tokens_processed.labels(**lb).inc(s.num_prefill_tokens)
+            m.generation_tokens_processed.labels(**lb).inc(s.num_decode_tokens)
+            m.preemptions.labels(**lb).inc(self._delta("preemptions", s.preemptions_total))
+            m.prefix_cache_hits.labels(**lb).inc(self._delta("hits", s.prefix_cache_hits_total))
+            m.prefix_cache_queries.labels(**lb).inc(
+                self._delta("queries", s.prefix_cache_queries_total)
+            )
+
+
+def make_app(status: WorkerStatus, registry: CollectorRegistry) -> web.Application:
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(_: web.Request) -> web.Response:
+        body = {"ready": status.ready, "loaded": status.loaded, "draining": status.draining}
+        return web.json_response(body, status=200 if status.ready else 503)
+
+    async def metrics(_: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(registry))
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start_http(
+    status: WorkerStatus, registry: CollectorRegistry, host: str, port: int
+) -> tuple[web.AppRunner, int]:
+    """Serve the probes and metrics; returns the runner and the bound port (port 0 = any)."""
+    runner = web.AppRunner(make_app(status, registry), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server  # noqa: SLF001 - aiohttp exposes the bound socket only here
+    bound = port
+    if server is not None and server.sockets:  # type: ignore[attr-defined]
+        bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    return runner, bound

@@ -1,0 +1,336 @@
+"""What the three worker processes (`splitserve prefill|decode|colocated`) share: the command-line
+flags layered over the ServingConfig file, loading the engine, the gRPC server with the KV channel
+settings, the /health /ready /metrics HTTP server (worker_http.py), the READY line, and SIGTERM
+draining. Each role module supplies a `Role` with its servicers; see prefill_worker.py,
+decode_worker.py, colocated_worker.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from splitserve_workers.config import ConfigError, ServingConfig
+from splitserve_workers.kv_transfer import kv_channel_options, model_fingerprint, model_spec
+from splitserve_workers.proto import serving_pb2
+from splitserve_workers.worker_http import WorkerMetricsUpdater, WorkerStatus, start_http
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 9100
+
+
+@dataclass
+class WorkerSettings:
+    role: str
+    model_dir: str
+    model_name: str
+    service: str
+    device: str
+    dtype: str
+    host: str
+    port: int
+    metrics_port: int
+    max_batch_tokens: int
+    max_batch_size: int
+    kv_cache_memory_bytes: int
+    num_kv_blocks: int | None
+    block_size: int
+    max_model_len: int | None
+    drain_timeout_s: float
+    lease_s: float
+    threads: int | None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every worker role; each overrides its value from --config."""
+    a = parser.add_argument
+    a("--config", help="ServingConfig YAML (the operator mounts /etc/splitserve/config.yaml)")
+    a("--model", help="Hugging Face-format model directory (overrides model.path)")
+    a("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    a("--port", type=int, help="gRPC port (0 = pick a free one; the READY line says which)")
+    a(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="HTTP port for /health /ready /metrics (default 9100; 0 = pick a free one)",
+    )
+    a("--device", help="auto | cpu | cuda | cuda:N (overrides model.device)")
+    a("--dtype", help="auto | float32 | bfloat16 | float16 (overrides model.dtype)")
+    a("--max-batch-tokens", type=int, help="prefill token budget per forward pass")
+    a("--max-batch-size", type=int, help="sequences per decode iteration")
+    a("--kv-cache-memory", type=int, help="KV cache budget in bytes")
+    a("--num-kv-blocks", type=int, help="exact number of KV blocks (overrides the budget)")
+    a("--block-size", type=int, help="tokens per KV block")
+    a("--max-model-len", type=int, help="longest prompt + output in tokens")
+    a(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default 60)",
+    )
+    a(
+        "--lease-seconds",
+        type=float,
+        help="decode: free a reservation's blocks when no KV chunk arrives for this long",
+    )
+    a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+
+def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
+    cfg = ServingConfig.load(args.config) if args.config else ServingConfig()
+    model_dir = args.model or cfg.model.path
+    if not model_dir:
+        raise ConfigError("model.path: no model directory (pass --model or set it in --config)")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError(f"model.path: {model_dir} has no config.json")
+    if role == "prefill":
+        port, kv_bytes = cfg.prefill.port, cfg.prefill.kv_cache_memory_bytes
+    else:
+        port, kv_bytes = cfg.decode.port, cfg.decode.kv_cache_memory_bytes
+
+    def pick(flag: Any, default: Any) -> Any:
+        return default if flag is None else flag
+
+    settings = WorkerSettings(
+        role=role,
+        model_dir=str(model_dir),
+        model_name=cfg.model.name or Path(model_dir).name,
+        service=cfg.service,
+        device=pick(args.device, cfg.model.device),
+        dtype=pick(args.dtype, cfg.model.dtype),
+        host=args.host,
+        port=pick(args.port, port),
+        metrics_port=args.metrics_port,
+        max_batch_tokens=pick(args.max_batch_tokens, cfg.prefill.max_batch_tokens),
+        max_batch_size=pick(args.max_batch_size, cfg.decode.max_batch_size),
+        kv_cache_memory_bytes=pick(args.kv_cache_memory, kv_bytes),
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=pick(args.block_size, cfg.decode.block_size),
+        max_model_len=pick(args.max_model_len, cfg.model.max_model_len),
+        drain_timeout_s=args.drain_timeout,
+        lease_s=pick(args.lease_seconds, cfg.decode.reservation_lease_seconds),
+        threads=args.threads,
+    )
+    for name in ("max_batch_tokens", "max_batch_size", "block_size", "kv_cache_memory_bytes"):
+        if getattr(settings, name) < 1:
+            raise ConfigError(f"{name}: {getattr(settings, name)} must be at least 1")
+    if settings.lease_s <= 0:
+        raise ConfigError(f"lease_seconds: {settings.lease_s} must be positive")
+    return settings
+
+
+def load_engine(s: WorkerSettings) -> Any:
+    import torch
+
+    from splitserve_workers.engine import EngineConfig, LLMEngine
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    return LLMEngine(
+        EngineConfig(
+            model=s.model_dir,
+            dtype=s.dtype,
+            device=s.device,
+            block_size=s.block_size,
+            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+            num_kv_blocks=s.num_kv_blocks,
+            max_batch_size=s.max_batch_size,
+            max_batch_tokens=s.max_batch_tokens,
+            max_model_len=s.max_model_len,
+        )
+    )
+
+
+class Worker:
+    """The pieces a role's servicers use: engine, loop, metrics, status, identity."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.status = WorkerStatus()
+        self.registry = CollectorRegistry()
+        self.fingerprint = model_fingerprint(settings.model_dir, settings.model_name)
+        self.metrics = WorkerMetricsUpdater(
+            self.registry, settings.service, settings.role, settings.model_name
+        )
+        self.metrics.set_limits(settings.max_batch_size, settings.max_batch_tokens)
+        self.engine: Any = None
+        self.loop: Any = None  # EngineLoop
+        self.spec = serving_pb2.ModelSpec()
+
+    def attach_engine(self, engine: Any) -> None:
+        from splitserve_workers.engine_loop import EngineLoop
+
+        self.engine = engine
+        self.spec = model_spec(engine, self.fingerprint, engine.block_size)
+        self.loop = EngineLoop(engine, on_iteration=self.metrics.observe)
+        self.metrics.observe(engine.stats())
+
+    async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+        if self.status.draining:
+            self.metrics.rejected("draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+
+    def load_report(self, **extra: Any) -> serving_pb2.LoadReport:
+        st = self.engine.stats()
+        return serving_pb2.LoadReport(
+            role=self.settings.role,
+            model=self.spec,
+            running=st.num_running,
+            waiting=st.num_waiting,
+            queued_tokens=st.queued_prefill_tokens,
+            free_blocks=st.free_blocks,
+            total_blocks=st.total_blocks,
+            draining=self.status.draining,
+            max_batch_size=self.settings.max_batch_size,
+            max_batch_tokens=self.settings.max_batch_tokens,
+            **extra,
+        )
+
+
+class Role(Protocol):
+    """A worker role's servicers, built once the engine is loaded."""
+
+    def register(self, server: grpc.aio.Server) -> None: ...
+
+    def busy(self) -> int:
+        """Requests (and reservations) still in flight; draining waits for 0."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def serve(settings: WorkerSettings, make_role: Any) -> int:
+    """Run one worker until SIGTERM/SIGINT, then drain and return the exit code (0)."""
+    worker = Worker(settings)
+    stop = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, stop.set)
+
+    # Probes first: liveness answers while the model loads; readiness stays false until then.
+    runner, metrics_port = await start_http(
+        worker.status, worker.registry, settings.host, settings.metrics_port
+    )
+    log.info("loading %s on %s", settings.model_dir, settings.device)
+    engine = await aio_loop.run_in_executor(None, load_engine, settings)
+    worker.attach_engine(engine)
+    worker.loop.start()
+    role: Role = make_role(worker)
+
+    server = grpc.aio.server(
+        options=kv_channel_options(), compression=grpc.Compression.NoCompression
+    )
+    role.register(server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind gRPC port {settings.host}:{settings.port}")
+    await server.start()
+    worker.status.loaded = True
+    log.info(
+        "%s worker ready: grpc %d, http %d, model %s (%s, %d KV blocks of %d tokens)",
+        settings.role,
+        port,
+        metrics_port,
+        worker.spec.model,
+        worker.spec.dtype,
+        engine.num_kv_blocks,
+        engine.block_size,
+    )
+    print(f"READY role={settings.role} port={port} metrics_port={metrics_port}", flush=True)
+
+    await stop.wait()
+    # Draining: readiness drops (the Service stops routing here), new work is refused with
+    # UNAVAILABLE "draining", and what is in flight gets up to drain_timeout to finish.
+    worker.status.draining = True
+    worker.metrics.set_draining(True)
+    log.info("draining: %d in flight", role.busy())
+    deadline = time.monotonic() + settings.drain_timeout_s
+    while role.busy() > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if role.busy() > 0:
+        log.warning("drain timeout: %d requests still in flight are cut", role.busy())
+    await server.stop(grace=1.0)
+    await role.close()
+    worker.loop.stop()
+    await runner.cleanup()
+    log.info("drained, exiting")
+    return 0
+
+
+def run_role(role_name: str, args: argparse.Namespace, make_role: Any) -> int:
+    setup_logging()
+    try:
+        settings = load_settings(role_name, args)
+    except ConfigError as e:
+        print(f"splitserve {role_name}: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(settings, make_role))
+
+
+# ---- conversions shared by the servicers ------------------------------------------------------
+
+
+def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
+    """Proto sampling -> engine SamplingParams; raises ValueError naming the field."""
+    from splitserve_workers.engine import SamplingParams
+
+    if p.temperature < 0:
+        raise ValueError(f"sampling.temperature: {p.temperature} must be >= 0")
+    if not 0 <= p.top_p <= 1:
+        raise ValueError(f"sampling.top_p: {p.top_p} must be in [0, 1]")
+    if p.top_k < 0:
+        raise ValueError(f"sampling.top_k: {p.top_k} must be >= 0")
+    if p.max_tokens < 1:
+        raise ValueError(f"sampling.max_tokens: {p.max_tokens} must be at least 1")
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        stop=list(p.stop),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs > 0,
+    )
+
+
+def priority_from_proto(p: int) -> Any:
+    from splitserve_workers.engine import Priority
+
+    return Priority.BACKGROUND if p == serving_pb2.PRIORITY_BACKGROUND else Priority.INTERACTIVE
+
+
+def token_event(outputs: list[Any]) -> serving_pb2.TokenEvent:
+    """Several engine outputs of one request -> one TokenEvent (tokens batched)."""
+    ev = serving_pb2.TokenEvent()
+    for o in outputs:
+        if o.token_id is not None:
+            ev.token_ids.append(o.token_id)
+            if o.logprob is not None:
+                ev.logprobs.append(o.logprob)
+        if o.finished:
+            ev.finished = True
+            ev.finish_reason = o.finish_reason or ""
+        ev.num_prompt_tokens = o.num_prompt_tokens
+        ev.num_cached_tokens = o.num_cached_tokens
+    return ev
