@@ -1,8 +1,9 @@
-"""Drives one request through the workers and yields its tokens: reserve KV blocks on a decode
-worker, prefill on a prefill worker (which streams the KV straight to that decode worker), then
-stream the decode worker's tokens. Retries a prefill that fails before the transfer is done on
-another worker, turns a dead decode stream into an error at once, and aborts on both pools when
-the caller stops early (client gone, stop string). A colocated pool is one Complete call."""
+"""Drives one request through the workers and yields its tokens: pick a prefill worker, reserve
+KV blocks for its KV on a decode worker, prefill (the prefill worker streams the KV straight to
+that decode worker), then stream the decode worker's tokens. Retries a prefill that fails before
+the transfer is done on another worker, turns a dead decode stream into an error at once, and
+aborts on both pools when the caller stops early (client gone, stop string). A colocated pool is
+one Complete call."""
 
 from __future__ import annotations
 
@@ -147,7 +148,9 @@ class Flow:
 
     # ---- disaggregated -----------------------------------------------------------------
 
-    async def _reserve(self, worker_rid: str) -> Worker:
+    async def _reserve(self, worker_rid: str, source: serving_pb2.ModelSpec) -> Worker:
+        """A decode worker holding blocks for the prompt; `source` is the ModelSpec of the
+        prefill worker whose KV it will receive (the decode side checks compatibility)."""
         assert self.decode is not None
         start = time.monotonic()
         deadline = start + self.settings.admission_timeout_seconds
@@ -155,6 +158,7 @@ class Flow:
         last_reason = "no decode workers"
         while True:
             tried: set[str] = set()
+            incompatible = 0
             while (worker := self.decode.pick(tried)) is not None:
                 tried.add(worker.load.endpoint)
                 block = worker.model.block_size or 0
@@ -166,7 +170,7 @@ class Flow:
                 try:
                     resp = await worker.stub.Reserve(
                         serving_pb2.ReserveRequest(
-                            request_id=worker_rid, model=worker.model,
+                            request_id=worker_rid, model=source,
                             num_prompt_tokens=len(self.req.prompt_token_ids),
                             max_tokens=self.req.max_tokens, priority=self.req.priority,
                         ),
@@ -188,6 +192,12 @@ class Flow:
                 worker.load.free_blocks = resp.free_blocks
                 if resp.reason == "draining":
                     worker.load.draining = True
+                elif resp.reason.startswith("incompatible"):
+                    incompatible += 1
+            if tried and incompatible == len(tried):
+                # Waiting cannot fix a model mismatch: say so now.
+                raise FlowError(502, f"no decode worker can take this prefill worker's KV "
+                                     f"({last_reason})", code="incompatible_workers")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise FlowError(503, f"no decode worker admitted the request within "
@@ -217,12 +227,12 @@ class Flow:
                     raise FlowError(502, f"prefill failed on {attempt} worker(s): {last_error}")
                 # Each attempt gets its own id: leftovers of a failed one never collide.
                 worker_rid = req.request_id if attempt == 0 else f"{req.request_id}.r{attempt}"
-                decode = await self._reserve(worker_rid)
                 prefill = self.prefill.pick(failed_prefill)
                 if prefill is None and failed_prefill:
                     prefill = self.prefill.pick()  # every worker failed once: try again anyway
                 if prefill is None:
                     raise FlowError(503, "no prefill worker is available", code="no_capacity")
+                decode = await self._reserve(worker_rid, prefill.model)
                 self.stats.prefill_attempts += 1
                 self.stats.prefill_endpoint = prefill.load.endpoint
                 prefill.load.pending_tokens += len(req.prompt_token_ids)
