@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("splitserve_workers.router.app", "OpenAI-compatible router in front of the pools."),
     "up": ("splitserve_workers.local", "Run router + prefill/decode pools locally (local mode)."),
     "operator": ("splitserve_operator.cli", "Run the LLMService operator (kopf)."),
+    "make-model": (
+        "splitserve_workers.engine.make_model",
+        "Write a random-weight model in Hugging Face format.",
+    ),
 }
 
 

@@ -1,0 +1,53 @@
+"""Engine settings (EngineConfig): which model, where, and how big the KV cache and batches are.
+
+Read by LLMEngine (llm_engine.py), which resolves "auto" dtype/device and sizes the block pool
+(block_manager.py) from these numbers. Pure data plus validation; no torch at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    model: str  # HF-format directory
+    dtype: str = (
+        "auto"  # auto|float32|bfloat16|float16 (auto: config torch_dtype on cuda, fp32 on cpu)
+    )
+    device: str = "auto"  # auto|cpu|cuda|cuda:N
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 256 << 20  # sizes num_kv_blocks
+    num_kv_blocks: int | None = None  # overrides the memory budget when set
+    max_batch_size: int = 32  # max sequences in one decode iteration
+    max_batch_tokens: int = 2048  # prefill token budget per forward pass (longer prompts chunk)
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ValueError(
+                "EngineConfig.model: a Hugging Face-format model directory is required"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype: {self.dtype!r} is not one of {DTYPES}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(
+                f"EngineConfig.device: {self.device!r} is not one of auto, cpu, cuda, cuda:N"
+            )
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"EngineConfig.block_size: {self.block_size} not in [1, 1024]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"EngineConfig.num_kv_blocks: {self.num_kv_blocks} must be >= 1")
+        if self.num_kv_blocks is None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"EngineConfig.kv_cache_memory_bytes: {self.kv_cache_memory_bytes} must be >= 1"
+            )
+        if self.max_batch_size < 1:
+            raise ValueError(f"EngineConfig.max_batch_size: {self.max_batch_size} must be >= 1")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"EngineConfig.max_batch_tokens: {self.max_batch_tokens} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"EngineConfig.max_model_len: {self.max_model_len} must be >= 1")

@@ -1,0 +1,498 @@
+"""LLMEngine: the public face of the engine (see the package docstring for the contract).
+
+It loads the model (loader.py), sizes the KV block pool (block_manager.py), and runs one
+scheduler iteration per step(): schedule under the lock, forward pass and sampling outside it
+(model_runner.py, sampling.py), then token bookkeeping (stops, finishing, prefix-cache blocks)
+under the lock again. Other threads only enqueue requests/aborts or touch reservations, which
+the step thread never reads during a forward pass.
+
+Additions to the shared contract (nothing in it changed):
+- finish_reason "error": a request whose on_kv callback raised is finished with it (its blocks
+  are freed; the other requests of the batch carry on). The exception is logged.
+- A seeded request draws token i from a generator seeded with (seed, i), so a disaggregated run
+  (first token on one engine, the rest on another) samples exactly what a local run samples.
+- A prefill_only request always finishes with "prefill_done", even if its first token is EOS;
+  start_decode() then finishes it at once ("stop"/"length", token_id None) on the decode side.
+- abort() of a reservation (reserved, not yet started) frees it and emits nothing.
+- When one sequence alone needs more blocks than the whole cache, it finishes with "length".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, replace
+
+import torch
+
+from splitserve_workers.engine.block_manager import BlockManager
+from splitserve_workers.engine.config import EngineConfig
+from splitserve_workers.engine.loader import load_model
+from splitserve_workers.engine.model_config import ModelConfig
+from splitserve_workers.engine.model_runner import ModelRunner
+from splitserve_workers.engine.sampling import SamplingParams, sample
+from splitserve_workers.engine.scheduler import Scheduler
+from splitserve_workers.engine.sequence import (
+    OnKV,
+    Priority,
+    Sequence,
+    SequenceStatus,
+    TokenOutput,
+)
+from splitserve_workers.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class IterationStats:
+    """Facts about the last step(), for metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    batch_size: int = 0  # sequences observed in the last iteration
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    kv_usage: float = 0.0  # 0..1, blocks held by requests and reservations
+    free_blocks: int = 0
+    total_blocks: int = 0
+    preemptions_total: int = 0
+    prefix_cache_hits_total: int = 0  # blocks
+    prefix_cache_queries_total: int = 0  # blocks
+    queued_prefill_tokens: int = 0
+
+
+@dataclass
+class _Reservation:
+    num_prompt_tokens: int
+    block_table: list[int]
+    imported: list[bytearray]  # per layer, 1 per token already written
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device: {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        if config.max_model_len is not None:
+            if config.max_model_len > mc.max_model_len:
+                raise ValueError(
+                    f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's "
+                    f"limit {mc.max_model_len}"
+                )
+            mc.max_model_len = config.max_model_len
+        self.dtype = resolve_dtype(config.dtype, mc, self.device)
+        self.tokenizer = Tokenizer(config.model)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
+        self.model = load_model(config.model, mc, self.dtype, self.device)
+        self.block_size = config.block_size
+        per_block = self.block_size * self.kv_bytes_per_token()
+        self.num_kv_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_bytes // per_block
+        )
+        self.block_manager = BlockManager(
+            self.num_kv_blocks, self.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.model_runner = ModelRunner(
+            self.model, mc, self.dtype, self.device, self.num_kv_blocks, self.block_size
+        )
+        self._lock = threading.Lock()
+        self._seqs: dict[str, Sequence] = {}  # every request not finished (incl. not yet queued)
+        self._pending_add: list[Sequence] = []
+        self._pending_abort: set[str] = set()
+        self._reservations: dict[str, _Reservation] = {}
+        self._outputs: list[TokenOutput] = []  # produced outside step(): aborts, early finishes
+        self._stats = IterationStats(total_blocks=self.num_kv_blocks)
+        self._max_stop_tokens: dict[str, int] = {}
+
+    # ---- facts -------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        mc = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._seqs or self._outputs)
+
+    def stats(self) -> IterationStats:
+        with self._lock:
+            return self._snapshot(self._stats)
+
+    def _snapshot(self, base: IterationStats) -> IterationStats:
+        bm = self.block_manager
+        free = bm.num_free_blocks
+        return replace(
+            base,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._pending_add),
+            kv_usage=1.0 - free / bm.num_blocks,
+            free_blocks=free,
+            total_blocks=bm.num_blocks,
+            preemptions_total=self.scheduler.preemptions_total,
+            prefix_cache_hits_total=bm.prefix_cache_hits_total,
+            prefix_cache_queries_total=bm.prefix_cache_queries_total,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens()
+            + sum(s.num_tokens for s in self._pending_add),
+        )
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _check_prompt(self, prompt_token_ids: list[int], field: str) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"{field}: the prompt is empty")
+        limit = self.model_config.max_model_len
+        if len(prompt_token_ids) > limit:
+            raise ValueError(
+                f"{field}: the prompt has {len(prompt_token_ids)} tokens, more than "
+                f"max_model_len {limit}"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
+        need = self.block_manager.blocks_for(len(prompt_token_ids) + 1)
+        if need > self.num_kv_blocks:
+            raise ValueError(
+                f"{field}: the prompt needs {need} KV blocks; the cache has {self.num_kv_blocks}"
+            )
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority,
+        prefill_only: bool = False,
+        on_kv: OnKV | None = None,
+    ) -> Sequence:
+        params.validate()
+        seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only)
+        if on_kv is not None:
+            seq.on_kv = _guard(seq, on_kv)
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator(device=self.device)
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        prefill_only: bool = False,
+        on_kv: OnKV | None = None,
+    ) -> None:
+        self._check_prompt(prompt_token_ids, "prompt_token_ids")
+        seq = self._new_sequence(
+            request_id, prompt_token_ids, params, priority, prefill_only, on_kv
+        )
+        with self._lock:
+            self._check_new_id(request_id)
+            self._seqs[request_id] = seq
+            self._pending_add.append(seq)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._seqs or request_id in self._reservations:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            reservation = self._reservations.pop(request_id, None)
+            if reservation is not None:
+                self.block_manager.free(reservation.block_table)
+                return True
+            if request_id not in self._seqs:
+                return False
+            self._pending_abort.add(request_id)
+            return True
+
+    def _apply_aborts(self) -> None:
+        for request_id in self._pending_abort:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                continue
+            if seq in self._pending_add:
+                self._pending_add.remove(seq)
+            self._finish(seq, "abort")
+            self._outputs.append(self._output(seq, None, None))
+        self._pending_abort.clear()
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    @staticmethod
+    def _output(seq: Sequence, token: int | None, logprob: float | None) -> TokenOutput:
+        return TokenOutput(
+            request_id=seq.request_id,
+            token_id=token,
+            logprob=logprob,
+            finished=seq.status is SequenceStatus.FINISHED,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        with self._lock:
+            self._apply_aborts()
+            for seq in self._pending_add:
+                self.scheduler.add_waiting(seq)
+            self._pending_add.clear()
+            batch, too_long = self.scheduler.schedule()
+            for seq in too_long:
+                self._finish(seq, "length")
+                self._outputs.append(self._output(seq, None, None))
+            outputs, self._outputs = self._outputs, []
+            if batch is None:
+                self._stats = self._snapshot(IterationStats())
+                return outputs
+            seqs, counts = batch.seqs, batch.num_new_tokens
+
+        # Forward pass and sampling without the lock: other threads only queue work meanwhile.
+        if batch.is_prefill:
+            logits, done = self.model_runner.run_prefill(seqs, counts)
+        else:
+            logits = self.model_runner.run_decode(seqs)
+            done = list(range(len(seqs)))
+        sampled = [seqs[i] for i in done]
+        for seq in sampled:
+            if seq.generator is not None:
+                assert seq.params.seed is not None
+                seq.generator.manual_seed(_token_seed(seq.params.seed, seq.num_output_tokens))
+        tokens, logprobs = sample(
+            logits, [s.params for s in sampled], [s.generator for s in sampled]
+        )
+        sampled_at = {id(s): j for j, s in enumerate(sampled)}
+
+        with self._lock:
+            self._apply_aborts()
+            outputs.extend(self._outputs)
+            self._outputs = []
+            for seq, n in zip(seqs, counts, strict=True):
+                if seq.status is SequenceStatus.FINISHED:
+                    continue  # aborted during the forward pass
+                if seq.error is not None:
+                    log.error("request %s: on_kv failed: %r", seq.request_id, seq.error)
+                    self._finish(seq, "error")
+                    outputs.append(self._output(seq, None, None))
+                    continue
+                self.scheduler.mark_computed(seq, n)
+                j = sampled_at.get(id(seq))
+                if j is None:
+                    continue  # a chunk of a longer prompt; more to come
+                if seq.status is SequenceStatus.WAITING:
+                    self.scheduler.waiting.remove(seq)
+                    self.scheduler.add_running(seq)
+                outputs.append(self._append_token(seq, tokens[j], logprobs[j]))
+            self._stats = self._snapshot(
+                IterationStats(
+                    batch_size=len(seqs),
+                    num_prefill_tokens=sum(counts) if batch.is_prefill else 0,
+                    num_decode_tokens=0 if batch.is_prefill else len(seqs),
+                )
+            )
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> TokenOutput:
+        seq.token_ids.append(token)
+        reason = "prefill_done" if seq.prefill_only else self._stop_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, token, logprob)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and self._hit_stop_string(seq):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.model_config.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        # A stop string of c characters spans at most 4c bytes, hence at most 4c + 1 byte-level
+        # tokens; decoding that tail of the output each step keeps the check O(1) per token.
+        window = 4 * max(len(s) for s in seq.params.stop) + 1
+        text = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=False)
+        return any(s in text for s in seq.params.stop)
+
+    # ---- offline convenience -----------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        priorities: list[Priority] | None = None,
+    ) -> list[list[int]]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: {len(plist)} entries for {len(prompts)} prompts")
+        prefix = uuid.uuid4().hex[:8]
+        ids = [f"generate-{prefix}-{i}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, plist, strict=True)):
+            prio = priorities[i] if priorities else Priority.INTERACTIVE
+            self.add_request(rid, prompt, p, prio)
+        while pending:
+            for out in self.step():
+                if out.request_id in results:
+                    if out.token_id is not None:
+                        results[out.request_id].append(out.token_id)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [results[rid] for rid in ids]
+
+    # ---- decode side of a disaggregated transfer ---------------------------------------------
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> bool:
+        limit = self.model_config.max_model_len
+        if not 1 <= num_prompt_tokens <= limit:
+            raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} not in [1, {limit}]")
+        need = self.block_manager.blocks_for(num_prompt_tokens + 1)
+        with self._lock:
+            self._check_new_id(request_id)
+            if need > self.block_manager.num_free_blocks:
+                return False
+            self._reservations[request_id] = _Reservation(
+                num_prompt_tokens,
+                self.block_manager.allocate(need),
+                [bytearray(num_prompt_tokens) for _ in range(self.model_config.num_layers)],
+            )
+            return True
+
+    def import_kv(
+        self, request_id: str, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        mc = self.model_config
+        with self._lock:
+            r = self._reservations.get(request_id)
+            if r is None:
+                raise ValueError(f"request_id: {request_id!r} has no reservation")
+            if not 0 <= layer < mc.num_layers:
+                raise ValueError(f"layer: {layer} not in [0, {mc.num_layers})")
+            shape = (mc.num_kv_heads, mc.head_dim)
+            for name, t in (("k", k), ("v", v)):
+                if t.dim() != 3 or tuple(t.shape[1:]) != shape:
+                    raise ValueError(
+                        f"{name}: shape {tuple(t.shape)}, expected "
+                        f"[n_tokens, {shape[0]}, {shape[1]}]"
+                    )
+                if t.dtype != self.dtype:
+                    raise ValueError(f"{name}: dtype {t.dtype}, the engine uses {self.dtype}")
+            n = k.shape[0]
+            if v.shape[0] != n or n == 0:
+                raise ValueError(f"k/v: token counts {n} and {v.shape[0]} must match and be > 0")
+            if not (0 <= token_start and token_start + n <= r.num_prompt_tokens):
+                raise ValueError(
+                    f"token_start: [{token_start}, {token_start + n}) is outside the reserved "
+                    f"prompt [0, {r.num_prompt_tokens})"
+                )
+            self.model_runner.write_kv(layer, r.block_table, token_start, k, v)
+            r.imported[layer][token_start : token_start + n] = b"\x01" * n
+
+    def start_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> None:
+        self._check_prompt(prompt_token_ids, "prompt_token_ids")
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first_token: {first_token} is outside the vocabulary")
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
+        with self._lock:
+            r = self._reservations.get(request_id)
+            if r is None:
+                raise ValueError(f"request_id: {request_id!r} has no reservation")
+            if r.num_prompt_tokens != len(prompt_token_ids):
+                raise ValueError(
+                    f"prompt_token_ids: {len(prompt_token_ids)} tokens, the reservation is for "
+                    f"{r.num_prompt_tokens}"
+                )
+            for layer, marks in enumerate(r.imported):
+                missing = marks.count(0)
+                if missing:
+                    raise ValueError(
+                        f"request {request_id!r}: layer {layer} is missing KV for {missing} of "
+                        f"{r.num_prompt_tokens} prompt tokens"
+                    )
+            del self._reservations[request_id]
+            seq.block_table = r.block_table
+            self._seqs[request_id] = seq
+            self.scheduler.add_running(seq)
+            self.scheduler.mark_computed(seq, len(prompt_token_ids))  # publishes prompt blocks
+            seq.token_ids.append(first_token)
+            reason = self._stop_reason(seq, first_token)
+            if reason is not None:
+                self._finish(seq, reason)
+                self._outputs.append(self._output(seq, None, None))
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            r = self._reservations.pop(request_id, None)
+            if r is not None:
+                self.block_manager.free(r.block_table)
+
+    def export_kv(self, request_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mc = self.model_config
+        if not 0 <= layer < mc.num_layers:
+            raise ValueError(f"layer: {layer} not in [0, {mc.num_layers})")
+        with self._lock:
+            seq = self._seqs.get(request_id)
+            if seq is not None and seq.block_table:
+                return self.model_runner.read_kv(layer, seq.block_table, 0, seq.num_computed_tokens)
+            r = self._reservations.get(request_id)
+            if r is not None:
+                return self.model_runner.read_kv(layer, r.block_table, 0, r.num_prompt_tokens)
+        raise ValueError(f"request_id: {request_id!r} has no KV in this engine")
+
+
+_SEED_STRIDE = 1_000_003
+
+
+def _token_seed(seed: int, index: int) -> int:
+    return (seed * _SEED_STRIDE + index) % (1 << 63)
+
+
+def _guard(seq: Sequence, on_kv: OnKV) -> OnKV:
+    """Wraps a request's on_kv so its exception fails that request, not the whole batch."""
+
+    def call(request_id: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if seq.error is not None:
+            return
+        try:
+            on_kv(request_id, layer, start, k, v)
+        except Exception as exc:  # reported as the request's error after the pass
+            seq.error = exc
+
+    return call

@@ -1,0 +1,131 @@
+"""ModelConfig: the architecture facts the engine needs, parsed from a Hugging Face config.json.
+
+One dataclass covers Llama, Qwen2, Qwen3 and Mistral; the differences are flags (q/k/v bias,
+per-head q/k RMSNorm, rope scaling) read by models/llama.py and layers/. loader.py builds it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    max_model_len: int  # the engine's limit: max_position_embeddings unless configured lower
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 when attention_bias
+    o_bias: bool = False  # Llama/Qwen3 when attention_bias (Qwen2 never)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    rope_scaling: dict[str, Any] | None = None
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"config.json architectures: {archs!r} has none of {SUPPORTED_ARCHITECTURES}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json hidden_act: {act!r} is not supported (only 'silu')")
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"config.json num_key_value_heads: {kv_heads} does not divide "
+                f"num_attention_heads {heads}"
+            )
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        max_len = max_pos
+        # Sliding-window attention equals full attention for sequences inside the window, so a
+        # model with an active window is served up to the window length (no window kernel).
+        window = cfg.get("sliding_window")
+        window_active = window is not None and (
+            arch == "MistralForCausalLM" or bool(cfg.get("use_sliding_window", False))
+        )
+        if window_active and int(window) < max_len:
+            max_len = int(window)
+        rope_theta = float(cfg.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        # Configs saved by transformers >= 5 keep both in one `rope_parameters` dict.
+        rope_params = cfg.get("rope_parameters")
+        if isinstance(rope_params, dict) and rope_params:
+            rope_theta = float(rope_params.get("rope_theta", rope_theta))
+            kind = rope_params.get("rope_type", rope_params.get("type", "default"))
+            rope_scaling = None if kind == "default" else rope_params
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in ("llama3", "linear", "default"):
+                raise ValueError(
+                    f"config.json rope_scaling.rope_type: {kind!r} is not supported "
+                    "(llama3, linear, default)"
+                )
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_pos,
+            max_model_len=max_len,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if is_qwen2 else attention_bias,
+            o_bias=False if is_qwen2 else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=rope_scaling,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h

@@ -1,0 +1,196 @@
+"""ModelRunner: owns the KV block pool tensor and turns a ScheduledBatch into one forward pass.
+
+It builds the flat token inputs, slot mapping, padded block tables and masks (AttentionMetadata)
+on the CPU in a few vectorised ops, runs models/llama.py once for the whole batch, streams
+prefill KV to on_kv callbacks layer by layer, and returns logits only for the rows that sample.
+The KV pool is [layers, 2 (k|v), blocks, block_size, kv_heads, head_dim], preallocated once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve_workers.engine.layers.attention import AttentionMetadata
+from splitserve_workers.engine.model_config import ModelConfig
+from splitserve_workers.engine.models.llama import LlamaForCausalLM
+from splitserve_workers.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        self.model = model
+        self.cfg = model_config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.kv_cache = torch.zeros(
+            model_config.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    # ---- slot arithmetic -------------------------------------------------------------------
+    def slots(self, block_table: list[int], start: int, n: int) -> torch.Tensor:
+        """Flat cache slots of token positions [start, start + n) of one sequence (CPU)."""
+        pos = torch.arange(start, start + n)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _flat(self, layer: int, kv: int) -> torch.Tensor:
+        return self.kv_cache[layer, kv].view(-1, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+    def read_kv(
+        self, layer: int, block_table: list[int], start: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.slots(block_table, start, n).to(self.device)
+        return self._flat(layer, 0).index_select(0, idx), self._flat(layer, 1).index_select(0, idx)
+
+    def write_kv(
+        self, layer: int, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        idx = self.slots(block_table, start, k.shape[0]).to(self.device)
+        self._flat(layer, 0).index_copy_(0, idx, k.to(self.device))
+        self._flat(layer, 1).index_copy_(0, idx, v.to(self.device))
+
+    # ---- forward passes --------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_prefill(
+        self, seqs: list[Sequence], counts: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Computes KV for tokens [computed, computed + n) of each sequence. Returns logits for
+        the sequences whose prompt this pass completes, and their indices in seqs."""
+        bs = self.block_size
+        starts = [s.num_computed_tokens for s in seqs]
+        B = len(seqs)
+        Q = max(counts)
+        L = max(st + n for st, n in zip(starts, counts, strict=True))
+        ids: list[int] = []
+        pos_parts: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        nb = -(-L // bs)
+        tables = torch.zeros(B, nb, dtype=torch.long)
+        for b, (seq, st, n) in enumerate(zip(seqs, starts, counts, strict=True)):
+            ids.extend(seq.token_ids[st : st + n])
+            pos = torch.arange(st, st + n)
+            table = torch.tensor(seq.block_table[:nb], dtype=torch.long)
+            tables[b, : len(table)] = table
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+        positions = torch.cat(pos_parts)
+        slot_mapping = torch.cat(slot_parts)
+        uniform = all(n == Q for n in counts)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            batch_size=B,
+            max_q=Q,
+            kv_len=L,
+            causal_fresh=uniform and all(st == 0 for st in starts),
+        )
+        if not meta.causal_fresh:
+            st_t = torch.tensor(starts)
+            n_t = torch.tensor(counts)
+            qi = torch.arange(Q)
+            kj = torch.arange(L)
+            mask = kj[None, None, :] <= (st_t[:, None] + qi[None, :])[:, :, None]  # [B, Q, L]
+            pad_rows = qi[None, :] >= n_t[:, None]  # padded query rows attend key 0 only
+            mask = torch.where(pad_rows[:, :, None], kj[None, None, :] == 0, mask)
+            meta.attn_mask = mask.unsqueeze(1).to(self.device)
+            meta.block_tables = tables.to(self.device)
+            if not uniform:
+                meta.pad_index = torch.cat(
+                    [b * Q + torch.arange(n) for b, n in enumerate(counts)]
+                ).to(self.device)
+
+        hook = self._kv_hook(seqs, starts, counts)
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long).to(self.device),
+            positions.to(self.device),
+            self.kv_cache,
+            meta,
+            hook,
+        )
+        self.mark_exported(seqs, starts, counts)
+        done = [
+            i
+            for i, (seq, st, n) in enumerate(zip(seqs, starts, counts, strict=True))
+            if st + n == seq.num_tokens
+        ]
+        ends = torch.tensor(counts).cumsum(0) - 1
+        rows = ends[done].to(self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows)), done
+
+    @torch.inference_mode()
+    def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per sequence (the last one, whose KV is not cached yet). Returns logits."""
+        bs = self.block_size
+        B = len(seqs)
+        ctx = [s.num_tokens for s in seqs]
+        L = max(ctx)
+        nb = -(-L // bs)
+        tables = torch.zeros(B, nb, dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            row = seq.block_table[:nb]
+            tables[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        ctx_t = torch.tensor(ctx)
+        last = ctx_t - 1
+        slot_mapping = tables.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            batch_size=B,
+            max_q=1,
+            kv_len=L,
+            block_tables=tables.to(self.device),
+        )
+        if any(c != L for c in ctx):
+            meta.attn_mask = (
+                (torch.arange(L)[None, :] < ctx_t[:, None]).view(B, 1, 1, L).to(self.device)
+            )
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
+        hidden = self.model(ids.to(self.device), last.to(self.device), self.kv_cache, meta)
+        return self.model.compute_logits(hidden)
+
+    def _kv_hook(self, seqs: list[Sequence], starts: list[int], counts: list[int]):  # type: ignore[no-untyped-def]
+        """Per-layer callback streaming each prompt token's KV to its request's on_kv exactly
+        once: tokens already in the cache (prefix hits) first, then this pass's new tokens."""
+        targets = []
+        offset = 0
+        for seq, st, n in zip(seqs, starts, counts, strict=True):
+            if seq.on_kv is not None:
+                targets.append((seq, offset, st, n))
+            offset += n
+        if not targets:
+            return None
+
+        def hook(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            for seq, off, st, n in targets:
+                assert seq.on_kv is not None
+                end = min(st + n, seq.num_prompt_tokens)
+                first = seq.kv_exported
+                if first < st:  # cached prefix not yet exported: read it from the blocks
+                    ck, cv = self.read_kv(layer, seq.block_table, first, st - first)
+                    seq.on_kv(seq.request_id, layer, first, ck, cv)
+                    first = st
+                if first < end:
+                    a, b = off + first - st, off + end - st
+                    seq.on_kv(seq.request_id, layer, first, k[a:b], v[a:b])
+
+        return hook
+
+    @staticmethod
+    def mark_exported(seqs: list[Sequence], starts: list[int], counts: list[int]) -> None:
+        for seq, st, n in zip(seqs, starts, counts, strict=True):
+            if seq.on_kv is not None:
+                seq.kv_exported = max(seq.kv_exported, min(st + n, seq.num_prompt_tokens))

@@ -1,0 +1,83 @@
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+
+Greedy rows are one batched argmax; random rows are sampled one by one with the request's own
+torch.Generator so a seeded request gives the same tokens whatever else shares its batch.
+Logprobs are the model's raw log-softmax (before temperature/top-k/top-p) of the chosen token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def validate(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature: {self.temperature} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: {self.top_p} must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"top_k: {self.top_k} must be >= 0 (0 or -1 disables it)")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: {self.max_tokens} must be >= 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop: every stop string must be a non-empty string")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: every entry must be a non-negative integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _sample_row(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    scores = logits / params.temperature
+    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p (keeps >= 1).
+        drop = (torch.cumsum(probs, dim=-1) - probs) > params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.empty_like(scores).scatter_(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> tuple[list[int], list[float | None]]:
+    """logits: [N, vocab] float32, one row per sequence. Returns token ids and logprobs."""
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_row(logits[i], p, generators[i])
+    logprobs: list[float | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
+        values = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        for i, value in zip(rows, values, strict=True):
+            logprobs[i] = value
+    return tokens, logprobs

@@ -1,0 +1,145 @@
+"""Scheduler: picks each iteration's batch. Prefill first: waiting prompts (interactive before
+background, then FIFO) are admitted while their KV blocks fit and packed under the
+max_batch_tokens budget, the last one chunked if it does not fit whole. Otherwise one decode
+token for up to max_batch_size running sequences; when a sequence needs a block and none is
+free, the lowest-priority, newest running sequence is preempted (its KV dropped, recomputed
+later). Blocks come from block_manager.py; llm_engine.py drives schedule() and the results.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from splitserve_workers.engine.block_manager import BlockManager, chain_hash
+from splitserve_workers.engine.config import EngineConfig
+from splitserve_workers.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    is_prefill: bool
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence: tokens whose KV this pass computes
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_batch_size = config.max_batch_size
+        self.max_batch_tokens = config.max_batch_tokens
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.preemptions_total = 0
+
+    def add_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        keys = [s.sort_key for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.sort_key), seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def queued_prefill_tokens(self) -> int:
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish, abort, error)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.block_table:
+            self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> tuple[ScheduledBatch | None, list[Sequence]]:
+        """The next batch, and sequences that can never fit the KV cache (to finish)."""
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch, []
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_batch_tokens
+        active = len(self.running) + sum(1 for s in self.waiting if s.block_table)
+        # Keep one block spare while sequences decode, so admitting a prompt does not force
+        # an immediate preemption of a running sequence (recompute ping-pong).
+        watermark = 1 if self.running else 0
+        admitting = True
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        for seq in self.waiting:
+            if budget <= 0:
+                break
+            if not seq.block_table:
+                if not admitting or active >= self.max_batch_size:
+                    admitting = False
+                    continue
+                result = self.bm.allocate_with_prefix(seq.token_ids, seq.num_tokens, watermark)
+                if result is None:
+                    admitting = False  # strict order: nothing behind the head jumps ahead
+                    continue
+                seq.block_table, seq.block_hashes = result
+                seq.num_computed_tokens = len(seq.block_hashes) * self.bm.block_size
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+                active += 1
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(True, seqs, counts) if seqs else None
+
+    def _schedule_decode(self) -> tuple[ScheduledBatch | None, list[Sequence]]:
+        batch: list[Sequence] = []
+        too_long: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.sort_key):
+            if len(batch) >= self.max_batch_size:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            need = self.bm.blocks_for(seq.num_tokens) - len(seq.block_table)
+            if self.bm.blocks_for(seq.num_tokens) > self.bm.num_blocks:
+                too_long.append(seq)  # the whole cache cannot hold it: finish as "length"
+                continue
+            while need > self.bm.num_free_blocks:
+                victim = max(
+                    (s for s in self.running if s not in too_long), key=lambda s: s.sort_key
+                )
+                self.preempt(victim)
+                if victim in batch:
+                    batch.remove(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                seq.block_table.extend(self.bm.allocate(need))
+                batch.append(seq)
+        if not batch:
+            return None, too_long
+        return ScheduledBatch(False, batch, [1] * len(batch)), too_long
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        self.preemptions_total += 1
+        self.add_waiting(seq)
+
+    def mark_computed(self, seq: Sequence, n: int) -> None:
+        """n more tokens of seq have KV in the cache; publish newly full blocks for reuse."""
+        seq.num_computed_tokens += n
+        if not self.bm.enable_prefix_caching:
+            return
+        bs = self.bm.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            b = len(seq.block_hashes)
+            toks = tuple(seq.token_ids[b * bs : (b + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, toks)
+            self.bm.register(seq.block_table[b], h, toks)
+            seq.block_hashes.append(h)

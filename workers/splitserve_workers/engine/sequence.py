@@ -1,0 +1,97 @@
+"""A request inside the engine (Sequence) and what step() hands back (TokenOutput).
+
+A Sequence owns its token list, its block table (block_manager.py) and its progress: how many
+tokens have KV in the cache. The scheduler moves it WAITING -> RUNNING -> FINISHED (and back to
+WAITING when preempted: its KV is dropped and recomputed from prompt + output so far).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from splitserve_workers.engine.sampling import SamplingParams
+
+# on_kv(request_id, layer, token_start, k, v), k/v: [n_tokens, kv_heads, head_dim]
+OnKV = Callable[[str, int, int, torch.Tensor, torch.Tensor], None]
+
+
+class Priority(enum.IntEnum):
+    INTERACTIVE = 0
+    BACKGROUND = 1
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or admitted and partway through a chunked prefill
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenOutput:
+    request_id: str
+    token_id: int | None
+    logprob: float | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+_arrival = itertools.count()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        prefill_only: bool = False,
+        on_kv: OnKV | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.arrival = next(_arrival)  # FIFO order within a priority; preemption picks newest
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = Priority(priority)
+        self.prefill_only = prefill_only
+        self.on_kv = on_kv
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the leading full blocks
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.kv_exported = 0  # tokens already handed to on_kv (prefix hits are exported once)
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        self.error: BaseException | None = None  # set when on_kv raised
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (int(self.priority), self.arrival)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

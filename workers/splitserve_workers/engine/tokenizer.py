@@ -1,0 +1,104 @@
+"""Tokenizer: tokenizer.json through the `tokenizers` library, the chat template from
+tokenizer_config.json rendered with jinja2, and the EOS ids from generation_config.json.
+
+Used by LLMEngine (stop strings, EOS) and by the router (prompts in, text out). No transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg: dict[str, Any] = {}
+        if (model_dir / "tokenizer_config.json").is_file():
+            cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.chat_template = self._pick_template(cfg.get("chat_template"))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+        # EOS ids: generation_config.json is what generate() uses; config.json and the
+        # tokenizer's eos_token add to it (models disagree about which file is complete).
+        eos: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            if (model_dir / name).is_file():
+                value = json.loads((model_dir / name).read_text()).get("eos_token_id")
+                if isinstance(value, int):
+                    eos.append(value)
+                elif isinstance(value, list):
+                    eos.extend(int(v) for v in value)
+        if self.eos_token is not None:
+            tid = self._tok.token_to_id(self.eos_token)
+            if tid is not None:
+                eos.append(tid)
+        self.eos_token_ids: list[int] = list(dict.fromkeys(eos))
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(self.chat_template) if self.chat_template else None
+
+    @staticmethod
+    def _pick_template(value: Any) -> str | None:
+        if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+            by_name = {t.get("name"): t.get("template") for t in value}
+            return by_name.get("default") or next(iter(by_name.values()), None)
+        return value if isinstance(value, str) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # Model vocabularies are often padded past the tokenizer's; such ids have no text.
+        known = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render messages to prompt text. Encode the result with add_special_tokens=False:
+        templates write their own BOS."""
+        if self._template is None:
+            raise ValueError("tokenizer_config.json has no chat_template")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}]: expected an object with 'role' and 'content'")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
