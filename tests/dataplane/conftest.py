@@ -128,15 +128,13 @@ def launch(role: str, args: list[str], log_dir: Path, name: str | None = None) -
     )
 
 
-@pytest.fixture
-def launch_worker(tmp_path: Path) -> Iterator:
-    """Factory: `launch_worker("decode", [...args])`; every process is killed at teardown."""
+def _launcher(log_dir: Path) -> Iterator:
     started: list[WorkerProcess] = []
     counter = [0]
 
     def _launch(role: str, args: list[str], name: str | None = None) -> WorkerProcess:
         counter[0] += 1
-        w = launch(role, args, tmp_path, name or f"{role}-{counter[0]}")
+        w = launch(role, args, log_dir, name or f"{role}-{counter[0]}")
         started.append(w)
         return w
 
@@ -145,3 +143,154 @@ def launch_worker(tmp_path: Path) -> Iterator:
         if w.proc.poll() is None:
             w.proc.kill()
             w.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def launch_worker(tmp_path: Path) -> Iterator:
+    """Factory: `launch_worker("decode", [...args])`; every process is killed at teardown."""
+    yield from _launcher(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def launch_module_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Like launch_worker, for processes shared by a whole test module (started once)."""
+    yield from _launcher(tmp_path_factory.mktemp("workers"))
+
+
+def worker_args(model: Path, *extra: str) -> list[str]:
+    """The usual flags for a test worker: free ports, CPU, one thread."""
+    return [
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        # A small cache (16 MiB) keeps several test workers within memory; --num-kv-blocks in
+        # `extra` overrides it.
+        "--kv-cache-memory",
+        str(16 << 20),
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def worker_flags() -> object:
+    """`worker_flags(model, *extra)` -> the usual CLI flags for a test worker."""
+    return worker_args
+
+
+class DataPlaneClient:
+    """A minimal router stand-in for worker tests: Reserve -> Prefill -> Generate over real gRPC,
+    plus Load and raw channels. One instance per test (channels are per event loop)."""
+
+    def __init__(self) -> None:
+        import grpc.aio
+
+        self._grpc_aio = grpc.aio
+        self._channels: dict[str, object] = {}
+
+    def channel(self, endpoint: str):  # -> grpc.aio.Channel
+        if endpoint not in self._channels:
+            self._channels[endpoint] = self._grpc_aio.insecure_channel(
+                endpoint,
+                options=[
+                    ("grpc.max_send_message_length", 256 << 20),
+                    ("grpc.max_receive_message_length", 256 << 20),
+                ],
+            )
+        return self._channels[endpoint]
+
+    def decode(self, endpoint: str):
+        from splitserve_workers.proto import serving_pb2_grpc
+
+        return serving_pb2_grpc.DecodeServiceStub(self.channel(endpoint))
+
+    def prefill(self, endpoint: str):
+        from splitserve_workers.proto import serving_pb2_grpc
+
+        return serving_pb2_grpc.PrefillServiceStub(self.channel(endpoint))
+
+    def colocated(self, endpoint: str):
+        from splitserve_workers.proto import serving_pb2_grpc
+
+        return serving_pb2_grpc.ColocatedServiceStub(self.channel(endpoint))
+
+    async def load(self, endpoint: str, role: str = "decode"):
+        from splitserve_workers.proto import serving_pb2
+
+        stub = {"decode": self.decode, "prefill": self.prefill, "colocated": self.colocated}[role](
+            endpoint
+        )
+        return await stub.Load(serving_pb2.LoadRequest())
+
+    async def generate_disaggregated(
+        self,
+        prefill_ep: str,
+        decode_ep: str,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        ignore_eos: bool = True,
+    ) -> tuple[list[int], object, object]:
+        """Reserve on decode, Prefill (KV pushed to decode), Generate. Returns (all tokens
+        including the first, FirstToken, TransferDone)."""
+        from splitserve_workers.proto import serving_pb2 as pb
+
+        decode = self.decode(decode_ep)
+        spec = (await self.load(decode_ep)).model
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        res = await decode.Reserve(
+            pb.ReserveRequest(
+                request_id=request_id,
+                model=spec,
+                num_prompt_tokens=len(prompt),
+                max_tokens=max_tokens,
+            )
+        )
+        assert res.accepted, res.reason
+        first = done = None
+        async for ev in self.prefill(prefill_ep).Prefill(
+            pb.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                decode_endpoint=decode_ep,
+                decode_model=spec,
+            )
+        ):
+            if ev.HasField("first_token"):
+                first = ev.first_token
+            else:
+                done = ev.transfer_done
+        assert first is not None and done is not None
+        tokens = [first.token_id]
+        async for ev in decode.Generate(
+            pb.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                first_token=first.token_id,
+                sampling=sampling,
+            )
+        ):
+            tokens.extend(ev.token_ids)
+            if ev.finished:
+                break
+        return tokens, first, done
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def dataplane() -> object:
+    client = DataPlaneClient()
+    yield client
+    await client.close()

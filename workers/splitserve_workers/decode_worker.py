@@ -116,10 +116,10 @@ class DecodeRole:
             )
         n = request.num_prompt_tokens
         max_len = self.engine.model_config.max_model_len
-        if n < 1 or n >= max_len:
+        if not 1 <= n <= max_len:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"num_prompt_tokens: {n} must be in [1, {max_len - 1}] (max_model_len {max_len})",
+                f"num_prompt_tokens: {n} must be in [1, {max_len}] (max_model_len)",
             )
 
         def refuse(reason: str, label: str) -> pb.ReserveResponse:
@@ -136,6 +136,8 @@ class DecodeRole:
         self._reserving.add(rid)
         try:
             ok = await asyncio.get_running_loop().run_in_executor(None, self.engine.reserve, rid, n)
+        except ValueError as e:  # e.g. the id is still generating here
+            return refuse(str(e), "invalid_request")
         finally:
             self._reserving.discard(rid)
         if not ok:
