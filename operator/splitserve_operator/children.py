@@ -50,7 +50,12 @@ def config_map(service: str, namespace: str, text: str, owner: dict[str, Any]) -
 
 
 def deployment(
-    component: str, service: str, namespace: str, spec: Spec, image: str, digest: str,
+    component: str,
+    service: str,
+    namespace: str,
+    spec: Spec,
+    image: str,
+    digest: str,
     owner: dict[str, Any],
 ) -> dict[str, Any]:
     return {
@@ -108,8 +113,12 @@ def pool_service(component: str, service: str, namespace: str, owner: dict[str, 
             "selector": selector_labels(service, component),
             "ports": [
                 {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"},
-                {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics",
-                 "protocol": "TCP"},
+                {
+                    "name": "metrics",
+                    "port": METRICS_PORT,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
             ],
         },
     }
@@ -154,11 +163,13 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
                         "app.kubernetes.io/name": workers["app.kubernetes.io/name"],
                         "app.kubernetes.io/instance": service,
                     },
-                    "matchExpressions": [{
-                        "key": "app.kubernetes.io/component",
-                        "operator": "In",
-                        "values": ["prefill", "decode"],
-                    }],
+                    "matchExpressions": [
+                        {
+                            "key": "app.kubernetes.io/component",
+                            "operator": "In",
+                            "values": ["prefill", "decode"],
+                        }
+                    ],
                 },
                 "podMetricsEndpoints": [
                     {"port": "metrics", "path": "/metrics", "interval": interval}

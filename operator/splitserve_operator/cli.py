@@ -21,40 +21,51 @@ KOPF_PREFIX = "kopf.splitserve.io"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope = parser.add_mutually_exclusive_group(required=True)
     scope.add_argument(
-        "--namespace", "-n", action="append", dest="namespaces", metavar="NS",
+        "--namespace",
+        "-n",
+        action="append",
+        dest="namespaces",
+        metavar="NS",
         help="watch this namespace (repeatable; globs such as team-* work)",
     )
-    scope.add_argument(
-        "--all-namespaces", "-A", action="store_true", help="watch every namespace"
-    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     parser.add_argument(
         "--worker-image",
         default=os.environ.get("SPLITSERVE_WORKER_IMAGE", "splitserve/worker:dev"),
         help="image for LLMServices that set no spec.image (env SPLITSERVE_WORKER_IMAGE)",
     )
     parser.add_argument(
-        "--resync-seconds", type=float, default=30.0,
+        "--resync-seconds",
+        type=float,
+        default=30.0,
         help="period of the level-based resync that repairs drift (default 30)",
     )
     parser.add_argument("--cluster-domain", default="cluster.local")
     parser.add_argument(
-        "--monitoring", choices=["auto", "off"], default="auto",
+        "--monitoring",
+        choices=["auto", "off"],
+        default="auto",
         help="auto: create ServiceMonitor/PodMonitor where monitoring.coreos.com is served",
     )
     parser.add_argument(
-        "--peering", default="splitserve",
+        "--peering",
+        default="splitserve",
         help="kopf peering object name (KopfPeering per namespace, or ClusterKopfPeering)",
     )
     parser.add_argument(
-        "--standalone", action="store_true",
+        "--standalone",
+        action="store_true",
         help="no peering: only when exactly one operator runs (e.g. local development)",
     )
     parser.add_argument(
-        "--priority", type=int, default=None,
+        "--priority",
+        type=int,
+        default=None,
         help="peering priority; the highest acts, equal priorities all pause (default: random)",
     )
     parser.add_argument(
-        "--liveness", default="http://0.0.0.0:8080/healthz",
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
         help="kopf liveness endpoint URL, or '' to disable",
     )
     parser.add_argument("--verbose", "-v", action="store_true")

@@ -74,9 +74,15 @@ class Operator:
             observed = int(status.get("observedGeneration") or 0)
             patch.status.update(
                 compute_status(
-                    service=name, namespace=namespace, spec=spec, generation=generation,
-                    observed_generation=observed, deployments={}, previous_conditions=previous,
-                    now=now_rfc3339(), error=str(e),
+                    service=name,
+                    namespace=namespace,
+                    spec=spec,
+                    generation=generation,
+                    observed_generation=observed,
+                    deployments={},
+                    previous_conditions=previous,
+                    now=now_rfc3339(),
+                    error=str(e),
                 )
             )
             kopf.warn(body, reason="ApplyFailed", message=str(e))
@@ -93,9 +99,14 @@ class Operator:
             )
         patch.status.update(
             compute_status(
-                service=name, namespace=namespace, spec=spec, generation=generation,
-                observed_generation=generation, deployments=outcome.deployments,
-                previous_conditions=previous, now=now_rfc3339(),
+                service=name,
+                namespace=namespace,
+                spec=spec,
+                generation=generation,
+                observed_generation=generation,
+                deployments=outcome.deployments,
+                previous_conditions=previous,
+                now=now_rfc3339(),
             )
         )
 
@@ -116,10 +127,13 @@ class Operator:
                 Ref("apps/v1", "Deployment", namespace, child_name(service, pool))
             )
         fresh = compute_status(
-            service=service, namespace=namespace, spec=spec,
+            service=service,
+            namespace=namespace,
+            spec=spec,
             generation=int(body["metadata"].get("generation") or 0),
             observed_generation=int(status.get("observedGeneration") or 0),
-            deployments=deployments, previous_conditions=status.get("conditions"),
+            deployments=deployments,
+            previous_conditions=status.get("conditions"),
             now=now_rfc3339(),
         )
         if any(status.get(k) != v for k, v in fresh.items()):
@@ -158,10 +172,17 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
     # optional: no finalizer just for this; deletion must not wait for the operator.
     kopf.on.delete(*resource, registry=registry, id="cleanup", optional=True)(on_delete)
     kopf.timer(
-        *resource, registry=registry, id="resync",
-        interval=operator.config.resync_seconds, initial_delay=operator.config.resync_seconds,
+        *resource,
+        registry=registry,
+        id="resync",
+        interval=operator.config.resync_seconds,
+        initial_delay=operator.config.resync_seconds,
     )(on_resync)
     kopf.on.event(
-        "apps", "v1", "deployments", registry=registry, id="child-deployment",
+        "apps",
+        "v1",
+        "deployments",
+        registry=registry,
+        id="child-deployment",
         labels={"app.kubernetes.io/managed-by": MANAGED_BY},
     )(on_deployment)

@@ -111,13 +111,18 @@ class Kube:
         if force:
             query.append(("force", "true"))
         return self.request(  # type: ignore[no-any-return]
-            "PATCH", Ref.of(obj).path(), query=query, body=obj,
+            "PATCH",
+            Ref.of(obj).path(),
+            query=query,
+            body=obj,
             content_type="application/apply-patch+yaml",
         )
 
     def patch_status(self, ref: Ref, status: dict[str, Any]) -> dict[str, Any]:
         return self.request(  # type: ignore[no-any-return]
-            "PATCH", ref.path("status"), body={"status": status},
+            "PATCH",
+            ref.path("status"),
+            body={"status": status},
             content_type="application/merge-patch+json",
         )
 

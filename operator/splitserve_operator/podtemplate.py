@@ -31,8 +31,13 @@ def container_args(component: str, spec: Spec) -> list[str]:
         return ["router", "--config", CONFIG_PATH_IN_POD, "--port", str(port)]
     port = PREFILL_PORT if component == "prefill" else DECODE_PORT
     return [
-        component, "--config", CONFIG_PATH_IN_POD,
-        "--port", str(port), "--metrics-port", str(METRICS_PORT),
+        component,
+        "--config",
+        CONFIG_PATH_IN_POD,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(METRICS_PORT),
     ]
 
 
@@ -86,14 +91,16 @@ def topology_spread(component: str, service: str, spec: Spec) -> list[dict[str, 
     spread = spec.pool(component).topology_spread
     if not spread.enabled:
         return []
-    return [{
-        "maxSkew": spread.max_skew,
-        "topologyKey": spread.topology_key,
-        "whenUnsatisfiable": spread.when_unsatisfiable,
-        "labelSelector": {"matchLabels": selector_labels(service, component)},
-        # Count only pods of the same revision, so a rolling update spreads the new pods too.
-        "matchLabelKeys": ["pod-template-hash"],
-    }]
+    return [
+        {
+            "maxSkew": spread.max_skew,
+            "topologyKey": spread.topology_key,
+            "whenUnsatisfiable": spread.when_unsatisfiable,
+            "labelSelector": {"matchLabels": selector_labels(service, component)},
+            # Count only pods of the same revision, so a rolling update spreads the new pods too.
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
 
 
 def pod_template(

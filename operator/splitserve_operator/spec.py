@@ -18,8 +18,20 @@ _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|ms|s|m|h)")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _QUANTITY_UNITS = {
-    None: 1, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-    "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    None: 1,
+    "m": 1e-3,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
 }
 
 
@@ -219,7 +231,8 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
         for pool in (prefill, decode):
             if pool.bounds is None:
                 raise SpecError(
-                    f"spec.{pool.name}.autoscaling: is required when spec.autoscaling.mode is {mode}"
+                    f"spec.{pool.name}.autoscaling: is required when spec.autoscaling.mode "
+                    f"is {mode}"
                 )
     monitoring = spec.get("monitoring") or {}
     return Spec(

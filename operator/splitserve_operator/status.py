@@ -5,6 +5,7 @@ live Deployments and the clock."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ def pool_state(deployment: dict[str, Any] | None, spec_replicas: int, mode: str)
 
 
 def pool_settled(state: PoolState) -> bool:
-    """Rollout finished: every replica runs the latest template, is ready, and no old ones remain."""
+    """Rollout done: every replica runs the latest template and is ready; no old ones remain."""
     return (
         state.rolled_out
         and state.updated >= state.desired
@@ -76,9 +77,10 @@ def merge_conditions(
     before = {c.get("type"): c for c in previous or []}
     merged = []
     for cond in current:
-        old = before.get(cond["type"])
-        changed = old is None or old.get("status") != cond["status"]
-        stamp = now if changed or not old.get("lastTransitionTime") else old["lastTransitionTime"]
+        old = before.get(cond["type"]) or {}
+        stamp = old.get("lastTransitionTime")
+        if not stamp or old.get("status") != cond["status"]:
+            stamp = now
         merged.append({**cond, "lastTransitionTime": stamp})
     return merged
 
@@ -90,7 +92,7 @@ def compute_status(
     spec: Spec,
     generation: int,
     observed_generation: int,
-    deployments: dict[str, dict[str, Any] | None],
+    deployments: Mapping[str, dict[str, Any] | None],
     previous_conditions: list[dict[str, Any]] | None,
     now: str,
     error: str | None = None,
@@ -113,8 +115,12 @@ def compute_status(
     elif pending:
         ready = (False, "Reconciling", f"generation {generation} is not applied yet")
     elif rolling:
-        ready = (False, "RollingOut", "pools not ready: " + ", ".join(
-            f"{p} {states[p].ready}/{states[p].desired}" for p in rolling))
+        ready = (
+            False,
+            "RollingOut",
+            "pools not ready: "
+            + ", ".join(f"{p} {states[p].ready}/{states[p].desired}" for p in rolling),
+        )
     elif empty:
         ready = (False, "NoReplicas", f"no ready replicas in: {', '.join(empty)}")
     else:

@@ -20,7 +20,9 @@ from .spec import Spec
 
 
 def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str) -> ServingConfig:
-    prefill = PrefillSettings(port=PREFILL_PORT, max_batch_tokens=spec.prefill.settings["maxBatchTokens"])
+    prefill = PrefillSettings(
+        port=PREFILL_PORT, max_batch_tokens=spec.prefill.settings["maxBatchTokens"]
+    )
     if "kvCacheMemoryBytes" in spec.prefill.settings:
         prefill.kv_cache_memory_bytes = spec.prefill.settings["kvCacheMemoryBytes"]
     decode = DecodeSettings(

@@ -1,0 +1,69 @@
+{{/* Names, labels and the watched namespaces, shared by every template. */}}
+
+{{- define "splitserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "splitserve.labels" -}}
+{{ include "splitserve.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: splitserve
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "splitserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "splitserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespaces a namespaced operator watches: watch.namespaces, or the release's. */}}
+{{- define "splitserve.namespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- .Values.watch.namespaces | toJson -}}
+{{- else -}}
+{{- list .Release.Namespace | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/* RBAC rules for LLMServices and their children, in every watched namespace. */}}
+{{- define "splitserve.namespacedRules" -}}
+- apiGroups: [splitserve.io]
+  resources: [llmservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [splitserve.io]
+  resources: [llmservices/status]
+  verbs: [get, patch]
+# Owner references with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement runs.
+- apiGroups: [splitserve.io]
+  resources: [llmservices/finalizers]
+  verbs: [update]
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [get, create, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors, podmonitors]
+  verbs: [get, create, patch]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

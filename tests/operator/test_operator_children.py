@@ -1,0 +1,233 @@
+"""children.desired_children: the objects one LLMService becomes, checked without a cluster."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from splitserve_operator.children import desired_children
+from splitserve_operator.config import OperatorConfig
+from splitserve_operator.names import CONFIG_HASH_ANNOTATION
+from splitserve_operator.spec import parse_spec
+from splitserve_workers.config import CONFIG_PATH_IN_POD, ServingConfig
+
+SPEC: dict[str, Any] = {
+    "model": {
+        "name": "tiny-llama",
+        "path": "/models/tiny-llama",
+        "dtype": "float32",
+        "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+    },
+    "prefill": {
+        "replicas": 2,
+        "maxBatchTokens": 2048,
+        "kvCacheMemory": "256Mi",
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "nodeSelector": {"gpu": "yes"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                    ]
+                }
+            }
+        },
+    },
+    "decode": {"replicas": 3, "maxBatchSize": 64, "topologySpread": {"enabled": False}},
+    "slo": {"ttft": "300ms", "tpot": "40ms", "percentile": 99},
+}
+
+
+def build(spec: dict[str, Any] = SPEC, served: bool = False, **config: Any) -> dict:
+    """served: whether the cluster serves monitoring.coreos.com."""
+    objs = desired_children(
+        "chat", "team-a", "uid-1", parse_spec(spec), OperatorConfig(**config), served
+    )
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def test_every_child_has_owner_reference_and_common_labels() -> None:
+    objs = build(served=True)
+    assert set(objs) == {
+        ("ConfigMap", "chat-config"),
+        ("Service", "chat-router"),
+        ("Service", "chat-prefill"),
+        ("Service", "chat-decode"),
+        ("Deployment", "chat-router"),
+        ("Deployment", "chat-prefill"),
+        ("Deployment", "chat-decode"),
+        ("PodDisruptionBudget", "chat-router"),
+        ("PodDisruptionBudget", "chat-prefill"),
+        ("PodDisruptionBudget", "chat-decode"),
+        ("ServiceMonitor", "chat-router"),
+        ("PodMonitor", "chat-workers"),
+    }
+    for obj in objs.values():
+        meta = obj["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "splitserve.io/v1alpha1",
+                "kind": "LLMService",
+                "name": "chat",
+                "uid": "uid-1",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "splitserve"
+        assert labels["app.kubernetes.io/instance"] == "chat"
+        assert labels["app.kubernetes.io/managed-by"] == "splitserve-operator"
+        assert labels["app.kubernetes.io/part-of"] == "splitserve"
+        assert labels["app.kubernetes.io/component"]
+
+
+def test_monitors_only_when_the_cluster_serves_them_and_not_disabled() -> None:
+    assert ("PodMonitor", "chat-workers") not in build(served=False)
+    off = copy.deepcopy(SPEC)
+    off["monitoring"] = {"enabled": False}
+    assert ("ServiceMonitor", "chat-router") not in build(off, served=True)
+    assert ("ServiceMonitor", "chat-router") not in build(served=True, monitoring="off")
+
+
+def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
+    text = build()[("ConfigMap", "chat-config")]["data"]["config.yaml"]
+    config = ServingConfig.from_yaml(text)
+    assert config.service == "chat"
+    assert config.model.path == "/models/tiny-llama" and config.model.dtype == "float32"
+    assert config.prefill.max_batch_tokens == 2048
+    assert config.prefill.kv_cache_memory_bytes == 256 << 20
+    assert config.decode.max_batch_size == 64
+    assert config.router.discovery == "dns"
+    assert config.router.prefill_service == "chat-prefill.team-a.svc.cluster.local:50051"
+    assert config.router.decode_service == "chat-decode.team-a.svc.cluster.local:50052"
+    assert (config.slo.ttft_seconds, config.slo.tpot_seconds, config.slo.percentile) == (
+        0.3,
+        0.04,
+        99.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("component", "args"),
+    [
+        (
+            "prefill",
+            [
+                "prefill",
+                "--config",
+                CONFIG_PATH_IN_POD,
+                "--port",
+                "50051",
+                "--metrics-port",
+                "9100",
+            ],
+        ),
+        (
+            "decode",
+            ["decode", "--config", CONFIG_PATH_IN_POD, "--port", "50052", "--metrics-port", "9100"],
+        ),
+        ("router", ["router", "--config", CONFIG_PATH_IN_POD, "--port", "8000"]),
+    ],
+)
+def test_worker_container_contract(component: str, args: list[str]) -> None:
+    dep = build()[("Deployment", f"chat-{component}")]
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["splitserve"] and container["args"] == args
+    assert container["image"] == "splitserve/worker:dev"
+    port = "http" if component == "router" else "metrics"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": port}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["config"] == {"name": "config", "mountPath": "/etc/splitserve", "readOnly": True}
+    assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == "chat-config"
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert pod["terminationGracePeriodSeconds"] == 120
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert selector == {
+        "app.kubernetes.io/name": "splitserve",
+        "app.kubernetes.io/instance": "chat",
+        "app.kubernetes.io/component": component,
+    }
+    assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_pods_are_hardened() -> None:
+    for component in ("router", "prefill", "decode"):
+        pod = build()[("Deployment", f"chat-{component}")]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        sc = pod["containers"][0]["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert pod["automountServiceAccountToken"] is False
+
+
+def test_scheduling_fields_pass_through_and_spread_is_default() -> None:
+    objs = build()
+    prefill = objs[("Deployment", "chat-prefill")]["spec"]["template"]["spec"]
+    assert prefill["nodeSelector"] == SPEC["prefill"]["nodeSelector"]
+    assert prefill["tolerations"] == SPEC["prefill"]["tolerations"]
+    assert prefill["affinity"] == SPEC["prefill"]["affinity"]
+    assert prefill["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    (spread,) = prefill["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "prefill"
+    decode = objs[("Deployment", "chat-decode")]["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in decode  # disabled in this spec
+    assert objs[("Deployment", "chat-decode")]["spec"]["replicas"] == 3
+
+
+def test_config_hash_rolls_pods_only_when_the_config_changes() -> None:
+    def hashes(spec: dict) -> set[str]:
+        objs = build(spec)
+        return {
+            objs[("Deployment", f"chat-{c}")]["spec"]["template"]["metadata"]["annotations"][
+                CONFIG_HASH_ANNOTATION
+            ]
+            for c in ("router", "prefill", "decode")
+        }
+
+    first = hashes(SPEC)
+    assert len(first) == 1
+    more_replicas = copy.deepcopy(SPEC)
+    more_replicas["decode"]["replicas"] = 5
+    assert hashes(more_replicas) == first
+    bigger_batch = copy.deepcopy(SPEC)
+    bigger_batch["decode"]["maxBatchSize"] = 32
+    assert hashes(bigger_batch) != first
+
+
+def test_services_router_clusterip_and_headless_pools() -> None:
+    objs = build()
+    router = objs[("Service", "chat-router")]["spec"]
+    assert router["type"] == "ClusterIP" and "clusterIP" not in router
+    assert router["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    ]
+    for component, port in (("prefill", 50051), ("decode", 50052)):
+        svc = objs[("Service", f"chat-{component}")]["spec"]
+        assert svc["clusterIP"] == "None"
+        assert svc["ports"][0]["port"] == port
+        assert svc["selector"]["app.kubernetes.io/component"] == component
+        pdb = objs[("PodDisruptionBudget", f"chat-{component}")]["spec"]
+        assert pdb["maxUnavailable"] == 1
+        assert pdb["selector"]["matchLabels"] == svc["selector"]
+
+
+def test_spec_image_wins_over_operator_default() -> None:
+    spec = copy.deepcopy(SPEC)
+    spec["image"] = "registry.example/worker:1.2"
+    dep = build(spec, worker_image="other:tag")[("Deployment", "chat-decode")]
+    image = dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == "registry.example/worker:1.2"
+    dep = build(worker_image="other:tag")[("Deployment", "chat-decode")]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "other:tag"

@@ -1,0 +1,95 @@
+"""reconcile.apply_children against a recording fake of the API layer: who sends
+Deployment replicas in each autoscaling mode (the real server-side apply semantics are
+exercised in test_operator_cluster.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from splitserve_operator.children import desired_children
+from splitserve_operator.config import FIELD_MANAGER, REPLICAS_FIELD_MANAGER, OperatorConfig
+from splitserve_operator.kube import Ref
+from splitserve_operator.reconcile import apply_children
+from splitserve_operator.spec import parse_spec
+
+
+class RecordingKube:
+    """Stores applied objects by reference; merges `spec.replicas` like the API server."""
+
+    def __init__(self) -> None:
+        self.objects: dict[Ref, dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.version = 0
+
+    def get(self, ref: Ref) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get(ref))
+
+    def apply(self, obj: dict[str, Any], manager: str, force: bool = True) -> dict[str, Any]:
+        ref = Ref.of(obj)
+        self.calls.append((manager, str(ref), copy.deepcopy(obj)))
+        live = self.objects.get(ref)
+        merged = copy.deepcopy(live) if live else {"metadata": {}, "spec": {}}
+        merged.update({k: v for k, v in obj.items() if k not in ("metadata", "spec")})
+        merged["metadata"].update(copy.deepcopy(obj["metadata"]))
+        merged.setdefault("spec", {}).update(copy.deepcopy(obj.get("spec", {})))
+        if merged != live:
+            self.version += 1
+            merged["metadata"]["resourceVersion"] = str(self.version)
+        self.objects[ref] = merged
+        return copy.deepcopy(merged)
+
+
+def children(mode: str, decode_replicas: int = 2) -> list[dict[str, Any]]:
+    spec: dict[str, Any] = {
+        "model": {"name": "m", "path": "/models/m"},
+        "prefill": {"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
+        "decode": {
+            "replicas": decode_replicas,
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 4},
+        },
+        "autoscaling": {"mode": mode},
+    }
+    return desired_children("chat", "ns", "uid", parse_spec(spec), OperatorConfig(), False)
+
+
+DECODE = Ref("apps/v1", "Deployment", "ns", "chat-decode")
+
+
+def decode_calls(kube: RecordingKube) -> list[tuple[str, Any]]:
+    return [(m, o["spec"].get("replicas")) for m, ref, o in kube.calls if ref == str(DECODE)]
+
+
+def test_creation_sets_replicas_in_every_mode() -> None:
+    for mode in ("Off", "Builtin", "HPA"):
+        kube = RecordingKube()
+        outcome = apply_children(kube, children(mode), mode)  # type: ignore[arg-type]
+        assert decode_calls(kube) == [(FIELD_MANAGER, 2), (REPLICAS_FIELD_MANAGER, 2)]
+        assert kube.objects[DECODE]["spec"]["replicas"] == 2
+        assert str(DECODE) in outcome.created
+        assert set(outcome.deployments) == {"router", "prefill", "decode"}
+
+
+def test_hpa_mode_never_sends_replicas_after_creation() -> None:
+    kube = RecordingKube()
+    apply_children(kube, children("HPA"), "HPA")  # type: ignore[arg-type]
+    kube.objects[DECODE]["spec"]["replicas"] = 4  # the HPA scaled up
+    kube.calls.clear()
+    outcome = apply_children(kube, children("HPA", decode_replicas=3), "HPA")  # type: ignore[arg-type]
+    assert decode_calls(kube) == [(FIELD_MANAGER, None)]
+    assert kube.objects[DECODE]["spec"]["replicas"] == 4
+    assert outcome.created == [] and outcome.updated == []
+
+
+def test_off_mode_enforces_spec_replicas_through_the_replicas_manager() -> None:
+    kube = RecordingKube()
+    apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
+    kube.objects[DECODE]["spec"]["replicas"] = 7  # someone ran kubectl scale
+    kube.calls.clear()
+    outcome = apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
+    assert decode_calls(kube) == [(FIELD_MANAGER, None), (REPLICAS_FIELD_MANAGER, 2)]
+    assert kube.objects[DECODE]["spec"]["replicas"] == 2
+    assert str(DECODE) in outcome.updated
+    kube.calls.clear()
+    apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
+    assert decode_calls(kube) == [(FIELD_MANAGER, None)]  # nothing to correct: one call

@@ -1,0 +1,112 @@
+"""spec.parse_spec: defaults, durations, quantities and errors naming the field."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from splitserve_operator.spec import SpecError, parse_duration, parse_quantity, parse_spec
+
+BASE = {
+    "model": {"name": "tiny", "path": "/models/tiny"},
+    "prefill": {},
+    "decode": {},
+}
+
+
+def with_(path: str, value: object) -> dict:
+    spec = copy.deepcopy(BASE)
+    node = spec
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+    return spec
+
+
+def test_defaults_match_the_crd_schema() -> None:
+    spec = parse_spec(BASE)
+    assert spec.model_dtype == "auto"
+    assert spec.mount_path == "/models"
+    assert spec.router.replicas == spec.prefill.replicas == spec.decode.replicas == 1
+    assert spec.router.settings == {"port": 8000, "serviceType": "ClusterIP"}
+    assert spec.prefill.settings == {"maxBatchTokens": 8192}
+    assert spec.decode.settings == {"maxBatchSize": 128, "blockSize": 16}
+    assert (spec.ttft_seconds, spec.tpot_seconds, spec.percentile) == (0.5, 0.05, 95.0)
+    assert spec.autoscaling_mode == "Off"
+    assert spec.termination_grace_seconds == 120
+    assert spec.prefill.topology_spread.enabled
+    assert spec.prefill.bounds is None
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("1.5s", 1.5), ("1m30s", 90.0), ("2h", 7200.0), ("250us", 0.00025)],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text, "f") == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "fast", "500", "ms", "1.s", "-1s", "0s", "5 s", "1sm"])
+def test_bad_durations_name_the_field(text: str) -> None:
+    with pytest.raises(SpecError, match="^spec.slo.ttft: "):
+        parse_spec(with_("slo.ttft", text))
+
+
+@pytest.mark.parametrize(
+    ("value", "count"), [("8Gi", 8 << 30), ("512Mi", 512 << 20), ("1G", 10**9), (4096, 4096)]
+)
+def test_quantities(value: object, count: int) -> None:
+    assert parse_quantity(value, "f") == count  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        ("prefill.replicas", -1, "spec.prefill.replicas"),
+        ("decode.replicas", "two", "spec.decode.replicas"),
+        ("decode.maxBatchSize", 0, "spec.decode.maxBatchSize"),
+        ("slo.percentile", 150, "spec.slo.percentile"),
+        ("slo.percentile", 0, "spec.slo.percentile"),
+        ("autoscaling.mode", "Sometimes", "spec.autoscaling.mode"),
+        ("model.path", "relative/dir", "spec.model.path"),
+        ("prefill.kvCacheMemory", "lots", "spec.prefill.kvCacheMemory"),
+        (
+            "prefill.autoscaling",
+            {"minReplicas": 4, "maxReplicas": 2},
+            "spec.prefill.autoscaling.minReplicas",
+        ),
+        ("decode.autoscaling", {"minReplicas": 2, "maxReplicas": 4}, "spec.decode.replicas"),
+    ],
+)
+def test_errors_name_the_field(path: str, value: object, field: str) -> None:
+    with pytest.raises(SpecError, match=f"^{field}: "):
+        parse_spec(with_(path, value))
+
+
+def test_missing_model_and_pools_are_named() -> None:
+    with pytest.raises(SpecError, match="^spec.model: is required"):
+        parse_spec({"prefill": {}, "decode": {}})
+    with pytest.raises(SpecError, match="^spec.decode: is required"):
+        parse_spec({"model": BASE["model"], "prefill": {}})
+    with pytest.raises(SpecError, match="^spec.model.name: is required"):
+        parse_spec(with_("model.name", ""))
+
+
+def test_builtin_mode_requires_bounds_on_both_pools() -> None:
+    spec = with_("autoscaling.mode", "Builtin")
+    spec["prefill"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+    with pytest.raises(SpecError, match="^spec.decode.autoscaling: is required"):
+        parse_spec(spec)
+    spec["decode"]["autoscaling"] = {}
+    parsed = parse_spec(spec)
+    assert parsed.decode.bounds is not None and parsed.decode.bounds.max_replicas == 8
+
+
+def test_volume_needs_one_source_and_path_under_mount() -> None:
+    with pytest.raises(SpecError, match="^spec.model.volume: "):
+        parse_spec(with_("model.volume", {"hostPath": {"path": "/a"}, "nfs": {}}))
+    spec = with_("model.volume", {"hostPath": {"path": "/a"}})
+    spec["model"]["mountPath"] = "/weights"
+    with pytest.raises(SpecError, match="^spec.model.path: .* must lie under"):
+        parse_spec(spec)

@@ -1,0 +1,159 @@
+"""status.compute_status: conditions in metav1.Condition shape from live Deployments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve_operator.spec import parse_spec
+from splitserve_operator.status import compute_status, merge_conditions
+
+SPEC = parse_spec(
+    {
+        "model": {"name": "m", "path": "/models/m"},
+        "router": {"replicas": 1},
+        "prefill": {"replicas": 2},
+        "decode": {"replicas": 3},
+    }
+)
+
+
+def deployment(
+    replicas: int,
+    ready: int,
+    updated: int | None = None,
+    generation: int = 1,
+    observed: int = 1,
+    stuck: bool = False,
+) -> dict[str, Any]:
+    conditions = []
+    if stuck:
+        conditions.append(
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "timed out",
+            }
+        )
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"replicas": replicas},
+        "status": {
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": replicas if updated is None else updated,
+            "observedGeneration": observed,
+            "conditions": conditions,
+        },
+    }
+
+
+def status(
+    deps: dict,
+    generation: int = 4,
+    observed: int = 4,
+    previous: Any = None,
+    now: str = "2025-01-01T00:00:00Z",
+    spec: Any = SPEC,
+    error: str | None = None,
+) -> dict:
+    return compute_status(
+        service="chat",
+        namespace="ns",
+        spec=spec,
+        generation=generation,
+        observed_generation=observed,
+        deployments=deps,
+        previous_conditions=previous,
+        now=now,
+        error=error,
+    )
+
+
+def conds(st: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in st["conditions"]}
+
+
+ALL_READY = {"router": deployment(1, 1), "prefill": deployment(2, 2), "decode": deployment(3, 3)}
+
+
+def test_ready_when_every_pool_is_rolled_out() -> None:
+    st = status(ALL_READY)
+    c = conds(st)
+    assert c["Ready"]["status"] == "True" and c["Ready"]["reason"] == "AllPoolsReady"
+    assert c["Progressing"]["status"] == "False"
+    assert c["Degraded"]["status"] == "False"
+    for cond in c.values():
+        assert set(cond) == {
+            "type",
+            "status",
+            "reason",
+            "message",
+            "observedGeneration",
+            "lastTransitionTime",
+        }
+        assert cond["observedGeneration"] == 4
+    assert st["observedGeneration"] == 4
+    assert st["endpoint"] == "http://chat-router.ns.svc:8000"
+    assert st["decode"] == {
+        "replicas": 3,
+        "readyReplicas": 3,
+        "updatedReplicas": 3,
+        "desiredReplicas": 3,
+        "ready": "3/3",
+    }
+
+
+def test_not_ready_while_rolling_or_missing_or_pending() -> None:
+    rolling = {**ALL_READY, "decode": deployment(3, 1)}
+    c = conds(status(rolling))
+    assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == "RollingOut"
+    assert "decode 1/3" in c["Ready"]["message"]
+    assert c["Progressing"]["status"] == "True"
+    c = conds(status({"router": ALL_READY["router"]}))
+    assert c["Ready"]["reason"] == "ChildrenMissing"
+    c = conds(status(ALL_READY, generation=5, observed=4))
+    assert c["Ready"]["reason"] == "Reconciling" and c["Progressing"]["status"] == "True"
+    old_template = {**ALL_READY, "prefill": deployment(2, 2, generation=2, observed=1)}
+    assert conds(status(old_template))["Ready"]["status"] == "False"
+
+
+def test_degraded_on_stuck_rollout_or_error() -> None:
+    stuck = {**ALL_READY, "prefill": deployment(2, 1, stuck=True)}
+    c = conds(status(stuck))
+    assert c["Degraded"]["status"] == "True"
+    assert "ProgressDeadlineExceeded" in c["Degraded"]["message"]
+    c = conds(status(ALL_READY, error="PATCH ...: HTTP 403: forbidden"))
+    assert c["Degraded"]["reason"] == "ReconcileFailed" and c["Ready"]["status"] == "False"
+
+
+def test_transition_time_moves_only_when_status_changes() -> None:
+    first = status(ALL_READY, now="2025-01-01T00:00:00Z")
+    again = status(ALL_READY, previous=first["conditions"], now="2025-01-01T00:05:00Z")
+    assert [c["lastTransitionTime"] for c in again["conditions"]] == ["2025-01-01T00:00:00Z"] * 3
+    rolling = {**ALL_READY, "decode": deployment(3, 2)}
+    later = status(rolling, previous=again["conditions"], now="2025-01-01T00:09:00Z")
+    c = conds(later)
+    assert c["Ready"]["lastTransitionTime"] == "2025-01-01T00:09:00Z"
+    assert c["Progressing"]["lastTransitionTime"] == "2025-01-01T00:09:00Z"
+    assert c["Degraded"]["lastTransitionTime"] == "2025-01-01T00:00:00Z"
+
+
+def test_merge_conditions_stamps_new_types() -> None:
+    merged = merge_conditions(None, [{"type": "Ready", "status": "True"}], "T")
+    assert merged == [{"type": "Ready", "status": "True", "lastTransitionTime": "T"}]
+
+
+def test_autoscaled_pools_report_the_deployments_replicas() -> None:
+    spec = parse_spec(
+        {
+            "model": {"name": "m", "path": "/models/m"},
+            "prefill": {"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 8}},
+            "decode": {"replicas": 3, "autoscaling": {"minReplicas": 1, "maxReplicas": 8}},
+            "autoscaling": {"mode": "HPA"},
+        }
+    )
+    deps = {**ALL_READY, "decode": deployment(6, 6)}  # an HPA scaled decode to 6
+    st = status(deps, spec=spec)
+    assert st["decode"]["desiredReplicas"] == 6
+    assert conds(st)["Ready"]["status"] == "True"
