@@ -1,0 +1,329 @@
+"""The operator against the real control plane: the chart's RBAC, reconcile of the tiny example
+down to Ready pods on kwok nodes, rollouts, garbage collection, drift repair, restarts, HPA
+ownership of replicas, schema rejection of bad resources, and 50 services at once."""
+
+from __future__ import annotations
+
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from operator_process import (
+    REPO_ROOT,
+    OperatorProcess,
+    conditions,
+    get_json,
+    is_ready,
+    wait_until,
+)
+
+pytestmark = pytest.mark.cluster
+
+TINY = (REPO_ROOT / "manifests" / "examples" / "tiny-cpu.yaml").read_text()
+POOLS = ("router", "prefill", "decode")
+
+
+def apply(cp: Any, namespace: str, manifest: str | dict) -> None:
+    text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=text)
+
+
+def llms(cp: Any, namespace: str, name: str) -> dict[str, Any] | None:
+    return get_json(cp, "-n", namespace, "llmservice", name)  # type: ignore[no-any-return]
+
+
+def wait_ready(cp: Any, namespace: str, name: str, timeout: float = 180.0) -> dict[str, Any]:
+    return wait_until(
+        lambda: (obj := llms(cp, namespace, name)) and is_ready(obj) and obj,
+        f"LLMService {namespace}/{name} Ready", timeout,
+    )
+
+
+def deployment(cp: Any, namespace: str, name: str) -> dict[str, Any] | None:
+    return get_json(cp, "-n", namespace, "deployment", name)  # type: ignore[no-any-return]
+
+
+def tiny(**spec_overrides: Any) -> dict[str, Any]:
+    obj = yaml.safe_load(TINY)
+    obj["spec"].update(spec_overrides)
+    return obj
+
+
+def test_chart_rbac_reconciles_tiny_example_to_ready(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, TINY)
+    obj = wait_ready(cp, namespace, "tiny")
+    status = obj["status"]
+    assert status["observedGeneration"] == obj["metadata"]["generation"]
+    assert status["endpoint"] == f"http://tiny-router.{namespace}.svc:8000"
+    conds = conditions(obj)
+    assert conds["Ready"]["status"] == "True" and conds["Ready"]["reason"] == "AllPoolsReady"
+    assert conds["Progressing"]["status"] == "False"
+    assert conds["Degraded"]["status"] == "False"
+    for cond in conds.values():
+        assert cond["observedGeneration"] == obj["metadata"]["generation"]
+        assert cond["lastTransitionTime"]
+    for pool in POOLS:
+        assert status[pool]["readyReplicas"] == 1 and status[pool]["ready"] == "1/1"
+
+    uid = obj["metadata"]["uid"]
+    kinds = "deployments,services,configmaps,poddisruptionbudgets,servicemonitors,podmonitors"
+    children = get_json(cp, "-n", namespace, kinds, "-l", "app.kubernetes.io/instance=tiny")
+    names = sorted((c["kind"], c["metadata"]["name"]) for c in children["items"])
+    assert names == sorted([
+        ("ConfigMap", "tiny-config"), ("PodMonitor", "tiny-workers"),
+        *[("Deployment", f"tiny-{p}") for p in POOLS],
+        *[("PodDisruptionBudget", f"tiny-{p}") for p in POOLS],
+        *[("Service", f"tiny-{p}") for p in POOLS],
+        ("ServiceMonitor", "tiny-router"),
+    ])
+    for child in children["items"]:
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner["uid"] == uid and owner["controller"] is True
+
+    decode = deployment(cp, namespace, "tiny-decode")
+    assert decode is not None
+    container = decode["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:3] == ["decode", "--config", "/etc/splitserve/config.yaml"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+    assert get_json(cp, "-n", namespace, "service", "tiny-prefill")["spec"]["clusterIP"] == "None"
+
+    pods = get_json(cp, "-n", namespace, "pods", "-l", "app.kubernetes.io/instance=tiny")
+    assert len(pods["items"]) == 3
+    for pod in pods["items"]:
+        ready = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+        assert pod["status"]["phase"] == "Running" and ready.get("Ready") == "True"
+        assert pod["spec"]["nodeName"].startswith("kwok-node-")
+
+    events = get_json(cp, "-n", namespace, "events", "--field-selector",
+                      "involvedObject.kind=LLMService,involvedObject.name=tiny")
+    assert "Created" in {e["reason"] for e in events["items"]}
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.port}/healthz") as r:
+        assert r.status == 200
+
+
+def test_updates_roll_out_and_delete_collects_children(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, TINY)
+    wait_ready(cp, namespace, "tiny")
+
+    def replicasets(pool: str) -> list[dict[str, Any]]:
+        sel = f"app.kubernetes.io/instance=tiny,app.kubernetes.io/component={pool}"
+        return get_json(cp, "-n", namespace, "replicasets", "-l", sel)["items"]  # type: ignore
+
+    def template(pool: str) -> dict[str, Any]:
+        return deployment(cp, namespace, f"tiny-{pool}")["spec"]["template"]  # type: ignore
+
+    # New image: every pool rolls to a new ReplicaSet.
+    apply(cp, namespace, tiny(image="splitserve/worker:v2"))
+    obj = wait_ready(cp, namespace, "tiny")
+    assert obj["metadata"]["generation"] == 2
+    for pool in POOLS:
+        assert template(pool)["spec"]["containers"][0]["image"] == "splitserve/worker:v2"
+        assert len(replicasets(pool)) == 2
+
+    # New worker config: the ConfigMap changes and the config hash rolls the pods.
+    before = template("decode")["metadata"]["annotations"]["splitserve.io/config-hash"]
+    changed = tiny(image="splitserve/worker:v2")
+    changed["spec"]["decode"]["maxBatchSize"] = 8
+    apply(cp, namespace, changed)
+    wait_ready(cp, namespace, "tiny")
+    config = get_json(cp, "-n", namespace, "configmap", "tiny-config")["data"]["config.yaml"]
+    assert yaml.safe_load(config)["decode"]["max_batch_size"] == 8
+    assert template("decode")["metadata"]["annotations"]["splitserve.io/config-hash"] != before
+    assert len(replicasets("decode")) == 3
+
+    # More replicas (mode Off): the Deployment follows the spec.
+    changed["spec"]["decode"]["replicas"] = 3
+    apply(cp, namespace, changed)
+    obj = wait_ready(cp, namespace, "tiny")
+    assert deployment(cp, namespace, "tiny-decode")["spec"]["replicas"] == 3  # type: ignore
+    assert obj["status"]["decode"]["ready"] == "3/3"
+
+    cp.kubectl("delete", "-n", namespace, "llmservice", "tiny", "--wait=true")
+    wait_until(
+        lambda: not get_json(cp, "-n", namespace, "deployments,services,configmaps",
+                             "-l", "app.kubernetes.io/instance=tiny")["items"],
+        "children garbage-collected",
+    )
+
+
+def test_drift_is_repaired(control_plane: Any, operator: OperatorProcess, namespace: str) -> None:
+    cp = control_plane
+    apply(cp, namespace, TINY)
+    wait_ready(cp, namespace, "tiny")
+    old_uid = get_json(cp, "-n", namespace, "service", "tiny-prefill")["metadata"]["uid"]
+    cp.kubectl("delete", "-n", namespace, "service", "tiny-prefill")
+    cp.kubectl("set", "image", "-n", namespace, "deployment/tiny-decode", "decode=evil:1")
+    cp.kubectl("scale", "-n", namespace, "deployment/tiny-router", "--replicas=4")
+    wait_until(
+        lambda: (svc := get_json(cp, "-n", namespace, "service", "tiny-prefill"))
+        and svc["metadata"]["uid"] != old_uid,
+        "deleted Service recreated",
+    )
+    wait_until(
+        lambda: deployment(cp, namespace, "tiny-decode")["spec"]["template"]["spec"][  # type: ignore
+            "containers"][0]["image"] == "splitserve/worker:dev",
+        "hand-edited image restored",
+    )
+    wait_until(
+        lambda: deployment(cp, namespace, "tiny-router")["spec"]["replicas"] == 1,  # type: ignore
+        "replicas restored in mode Off",
+    )
+    events = get_json(cp, "-n", namespace, "events", "--field-selector",
+                      "involvedObject.kind=LLMService,involvedObject.name=tiny")
+    assert "DriftRepaired" in {e["reason"] for e in events["items"]}
+    wait_ready(cp, namespace, "tiny")
+
+
+def test_hpa_mode_leaves_replicas_to_the_autoscaler(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = control_plane
+    obj = tiny(autoscaling={"mode": "HPA"})
+    for pool in ("prefill", "decode"):
+        obj["spec"][pool]["replicas"] = 2
+        obj["spec"][pool]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 6}
+    apply(cp, namespace, obj)
+    wait_ready(cp, namespace, "tiny")
+    assert deployment(cp, namespace, "tiny-decode")["spec"]["replicas"] == 2  # type: ignore
+    # What an HPA does: scale through the /scale subresource.
+    cp.kubectl("scale", "-n", namespace, "deployment/tiny-decode", "--replicas=5")
+    # A spec change (new image) and several resyncs must not touch the replicas.
+    obj["spec"]["image"] = "splitserve/worker:v3"
+    apply(cp, namespace, obj)
+    wait_until(
+        lambda: (d := deployment(cp, namespace, "tiny-decode"))
+        and d["spec"]["template"]["spec"]["containers"][0]["image"] == "splitserve/worker:v3"
+        and d,
+        "image rolled out",
+    )
+    ready = wait_ready(cp, namespace, "tiny")
+    assert deployment(cp, namespace, "tiny-decode")["spec"]["replicas"] == 5  # type: ignore
+    assert ready["status"]["decode"]["desiredReplicas"] == 5
+
+
+def test_restart_mid_reconcile_converges_without_duplicates(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = control_plane
+    for i in range(5):
+        obj = tiny()
+        obj["metadata"]["name"] = f"svc-{i}"
+        apply(cp, namespace, obj)
+    # Kill the operator as soon as it has started creating children: some services are half
+    # built, some not started.
+    wait_until(
+        lambda: get_json(cp, "-n", namespace, "configmaps", "-l",
+                         "app.kubernetes.io/managed-by=splitserve-operator")["items"],
+        "first child created",
+    )
+    operator.stop(signal.SIGKILL)
+    operator.start()
+    for i in range(5):
+        wait_ready(cp, namespace, f"svc-{i}")
+    deployments = get_json(cp, "-n", namespace, "deployments")["items"]
+    assert len(deployments) == 15
+    replicasets = get_json(cp, "-n", namespace, "replicasets")["items"]
+    assert len(replicasets) == 15  # one per Deployment: no spurious template changes
+    services = get_json(cp, "-n", namespace, "services")["items"]
+    assert len(services) == 15
+
+
+INVALID: list[tuple[str, Any, str]] = [
+    ("negative replicas", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
+    ("min above max", {"decode": {"replicas": 2, "autoscaling": {"minReplicas": 4,
+                                                                 "maxReplicas": 2}}},
+     "spec.decode"),
+    ("replicas outside bounds", {"decode": {"replicas": 9, "autoscaling": {"minReplicas": 1,
+                                                                           "maxReplicas": 4}}},
+     "spec.decode"),
+    ("bad duration", {"slo": {"ttft": "fast"}}, "spec.slo.ttft"),
+    ("zero duration", {"slo": {"tpot": "0s"}}, "spec.slo.tpot"),
+    ("percentile 150", {"slo": {"percentile": 150}}, "spec.slo.percentile"),
+    ("unknown field", {"decode": {"replicas": 1, "maxBatchSise": 8}}, "maxBatchSise"),
+    ("missing model", {"model": None}, "spec.model"),
+    ("missing pool", {"prefill": None}, "spec.prefill"),
+    ("bad autoscaling mode", {"autoscaling": {"mode": "Sometimes"}}, "spec.autoscaling.mode"),
+    ("HPA without bounds", {"autoscaling": {"mode": "HPA"}}, "spec"),
+    ("two volume sources", {"model": {"name": "m", "path": "/models/m", "volume": {
+        "hostPath": {"path": "/a"}, "nfs": {"server": "s", "path": "/b"}}}}, "spec.model.volume"),
+]
+
+
+@pytest.mark.parametrize(("case", "patch", "field"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_llmservices_are_rejected_naming_the_field(
+    control_plane: Any, namespace: str, case: str, patch: dict[str, Any], field: str
+) -> None:
+    obj = yaml.safe_load(TINY)
+    obj["metadata"]["name"] = "bad"
+    for key, value in patch.items():
+        if value is None:
+            obj["spec"].pop(key)
+        elif isinstance(value, dict) and isinstance(obj["spec"].get(key), dict):
+            obj["spec"][key].update(value)
+        else:
+            obj["spec"][key] = value
+    proc = control_plane.kubectl(
+        "create", "-n", namespace, "--validate=false", "-f", "-",
+        input=yaml.safe_dump(obj), check=False,
+    )
+    assert proc.returncode != 0, f"{case}: accepted\n{proc.stdout}"
+    assert field in proc.stderr, proc.stderr
+    assert llms(control_plane, namespace, "bad") is None
+
+
+def test_crd_defaults_and_printer_columns(control_plane: Any, namespace: str) -> None:
+    minimal = {
+        "apiVersion": "splitserve.io/v1alpha1", "kind": "LLMService",
+        "metadata": {"name": "minimal"},
+        "spec": {"model": {"name": "m", "path": "/models/m"}, "prefill": {}, "decode": {}},
+    }
+    apply(control_plane, namespace, minimal)
+    spec = llms(control_plane, namespace, "minimal")["spec"]  # type: ignore[index]
+    assert spec["router"] == {"replicas": 1, "port": 8000, "serviceType": "ClusterIP",
+                              "topologySpread": {"enabled": True, "maxSkew": 1,
+                                                 "topologyKey": "kubernetes.io/hostname",
+                                                 "whenUnsatisfiable": "ScheduleAnyway"}}
+    assert spec["slo"] == {"ttft": "500ms", "tpot": "50ms", "percentile": 95}
+    assert spec["autoscaling"]["mode"] == "Off"
+    assert spec["decode"]["maxBatchSize"] == 128
+    table = control_plane.kubectl("get", "-n", namespace, "llms").stdout.split("\n")[0].split()
+    assert table == ["NAME", "READY", "PREFILL", "DECODE", "TTFT", "TPOT", "AGE"]
+
+
+def test_fifty_services_in_five_namespaces(
+    control_plane: Any, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    cp = control_plane
+    namespaces = [cp.create_namespace(f"fleet-{i}-{tmp_path.name[-6:].lower()}")
+                  for i in range(5)]  # fmt: skip
+    try:
+        docs = []
+        for i in range(50):
+            docs.append({
+                "apiVersion": "splitserve.io/v1alpha1", "kind": "LLMService",
+                "metadata": {"name": f"svc-{i}", "namespace": namespaces[i % 5]},
+                "spec": {"model": {"name": "m", "path": "/models/m"}, "prefill": {},
+                         "decode": {}},
+            })
+        cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+        for doc in docs:
+            wait_ready(cp, doc["metadata"]["namespace"], doc["metadata"]["name"], timeout=600)
+        all_deps = get_json(cp, "deployments", "-A", "-l",
+                            "app.kubernetes.io/managed-by=splitserve-operator")["items"]
+        ours = [d for d in all_deps if d["metadata"]["namespace"] in namespaces]
+        assert len(ours) == 150
+    finally:
+        for ns in namespaces:
+            cp.kubectl("delete", "llmservices", "--all", "-n", ns, "--wait=true", check=False)
+            cp.delete_namespace(ns)
+
