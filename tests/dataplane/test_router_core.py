@@ -23,7 +23,7 @@ def feed(detok: IncrementalDetokenizer, text: str, per_event: int = 1) -> list[s
     ids = list(text.encode())
     out = []
     for i in range(0, len(ids), per_event):
-        out.append(detok.add(ids[i:i + per_event]))
+        out.append(detok.add(ids[i : i + per_event]))
     out.append(detok.finish())
     return out
 
@@ -73,12 +73,26 @@ def error_of(fn, body: dict, header: str | None = None) -> api.APIError:  # type
 
 
 def test_completion_defaults_and_fields() -> None:
-    req = api.parse_completion({"prompt": "hi", "max_tokens": 5, "temperature": 0,
-                                "stop": "x", "seed": 3, "stream": True,
-                                "stream_options": {"include_usage": True}, "n": 1,
-                                "user": "u"})
+    req = api.parse_completion(
+        {
+            "prompt": "hi",
+            "max_tokens": 5,
+            "temperature": 0,
+            "stop": "x",
+            "seed": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "n": 1,
+            "user": "u",
+        }
+    )
     assert (req.prompt, req.max_tokens, req.temperature, req.stop, req.seed) == (
-        "hi", 5, 0.0, ["x"], 3)
+        "hi",
+        5,
+        0.0,
+        ["x"],
+        3,
+    )
     assert req.stream and req.include_usage and req.priority == "interactive"
     assert api.parse_completion({"prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
     assert api.parse_completion({"prompt": ["one"]}).prompt == "one"
@@ -86,8 +100,12 @@ def test_completion_defaults_and_fields() -> None:
 
 
 def test_priority_from_body_or_header() -> None:
-    assert api.parse_chat({"messages": [{"role": "user", "content": "x"}],
-                           "priority": "background"}).priority == "background"
+    assert (
+        api.parse_chat(
+            {"messages": [{"role": "user", "content": "x"}], "priority": "background"}
+        ).priority
+        == "background"
+    )
     assert api.parse_completion({"prompt": "x"}, "Background").priority == "background"
     err = error_of(api.parse_completion, {"prompt": "x"}, "urgent")
     assert err.param == api.PRIORITY_HEADER
@@ -106,8 +124,11 @@ def test_priority_from_body_or_header() -> None:
         ({"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
         ({"prompt": "x", "stop": [1]}, "stop", "invalid_type"),
-        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
-         "invalid_value"),
+        (
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "invalid_value",
+        ),
         ({"prompt": 5}, "prompt", "invalid_type"),
         ({"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
         ({"prompt": ""}, "prompt", "invalid_value"),
@@ -132,10 +153,14 @@ def test_completion_errors_name_the_param(body: dict, param: str, code: str) -> 
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-         "messages[0].content[0]"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "tools"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ],
 )
@@ -145,9 +170,17 @@ def test_chat_errors_name_the_param(body: dict, param: str) -> None:
 
 
 def test_chat_content_parts_are_flattened() -> None:
-    req = api.parse_chat({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        "max_completion_tokens": 7})
+    req = api.parse_chat(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "max_completion_tokens": 7,
+        }
+    )
     assert req.messages == [{"role": "user", "content": "ab"}]
     assert req.max_tokens == 7
 

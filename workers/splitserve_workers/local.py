@@ -58,8 +58,9 @@ def ensure_model(model: str | None, preset: str = DEFAULT_PRESET) -> Path:
     print(f"building the {preset} model once into {path} ...", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=path.parent))
     try:
-        subprocess.run(splitserve_cmd("make-model", "--preset", preset, "--out", str(tmp)),
-                       check=True)
+        subprocess.run(
+            splitserve_cmd("make-model", "--preset", preset, "--out", str(tmp)), check=True
+        )
         try:
             tmp.rename(path)  # atomic: a concurrent `up` either sees all of it or none
         except OSError:
@@ -107,8 +108,12 @@ class LocalStack:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "wb") as log_file:
             proc = await asyncio.create_subprocess_exec(
-                *splitserve_cmd(*args), stdout=asyncio.subprocess.PIPE, stderr=log_file,
-                stdin=asyncio.subprocess.DEVNULL, env=self.env, preexec_fn=_die_with_parent,
+                *splitserve_cmd(*args),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL,
+                env=self.env,
+                preexec_fn=_die_with_parent,
             )
         child = Child(name, proc, log_path)
         self.children.append(child)
@@ -130,8 +135,10 @@ class LocalStack:
         try:
             child.port = await asyncio.wait_for(ready, START_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as e:
-            raise RuntimeError(f"{name} did not start ({e or 'timed out'}); its log "
-                               f"{log_path}:\n{child.log_tail()}") from None
+            raise RuntimeError(
+                f"{name} did not start ({e or 'timed out'}); its log "
+                f"{log_path}:\n{child.log_tail()}"
+            ) from None
         return child
 
     async def wait_any_exit(self) -> Child:
@@ -207,8 +214,10 @@ class LiveLine:
     def update(self, text: str) -> str | None:
         parts = []
         new_requests = 0.0
-        for key, metric in (("TTFT", "splitserve_time_to_first_token_seconds"),
-                            ("TPOT", "splitserve_time_per_output_token_seconds")):
+        for key, metric in (
+            ("TTFT", "splitserve_time_to_first_token_seconds"),
+            ("TPOT", "splitserve_time_per_output_token_seconds"),
+        ):
             total, count, buckets = _histogram(text, metric)
             old_total, old_count, old_buckets = self._last.get(key, (0.0, 0.0, []))
             self._last[key] = (total, count, buckets)
@@ -230,8 +239,10 @@ class LiveLine:
 async def _get(url: str, timeout: float = 5.0) -> str:
     import aiohttp
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s, \
-            s.get(url) as r:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+        s.get(url) as r,
+    ):
         return await r.text()
 
 
@@ -254,28 +265,33 @@ async def _wait_ready(base: str, timeout: float = 120.0) -> None:
 # ---- the demo ------------------------------------------------------------------------------
 
 
-async def stream_chat(base: str, model: str, prompt: str, max_tokens: int = 32,
-                      echo: bool = True) -> dict[str, Any]:
+async def stream_chat(
+    base: str, model: str, prompt: str, max_tokens: int = 32, echo: bool = True
+) -> dict[str, Any]:
     """One streaming chat request over plain HTTP/SSE; returns text and measured latencies."""
     import aiohttp
 
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.monotonic()
     first: float | None = None
     last = start
     text: list[str] = []
     usage: dict[str, Any] = {}
-    async with aiohttp.ClientSession() as s, s.post(base + "/v1/chat/completions",
-                                                    json=body) as r:
+    async with aiohttp.ClientSession() as s, s.post(base + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         async for raw in r.content:
             line = raw.decode().strip()
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 break
             event = json.loads(data)
@@ -297,8 +313,13 @@ async def stream_chat(base: str, model: str, prompt: str, max_tokens: int = 32,
     n = int(usage.get("completion_tokens", 0))
     ttft = (first or last) - start
     tpot = (last - (first or last)) / (n - 1) if n > 1 else 0.0
-    return {"text": "".join(text), "ttft": ttft, "tpot": tpot, "tokens": n,
-            "prompt_tokens": int(usage.get("prompt_tokens", 0))}
+    return {
+        "text": "".join(text),
+        "ttft": ttft,
+        "tpot": tpot,
+        "tokens": n,
+        "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+    }
 
 
 async def run_demo(base: str, model: str) -> None:
@@ -308,8 +329,10 @@ async def run_demo(base: str, model: str) -> None:
         results.append(await stream_chat(base, model, prompt))
     print("\n request  prompt tok  output tok   TTFT (ms)   TPOT (ms)")
     for i, r in enumerate(results, 1):
-        print(f"   {i:>3}   {r['prompt_tokens']:>9}  {r['tokens']:>10}  {r['ttft'] * 1000:>10.1f}"
-              f"  {r['tpot'] * 1000:>10.2f}")
+        print(
+            f"   {i:>3}   {r['prompt_tokens']:>9}  {r['tokens']:>10}  {r['ttft'] * 1000:>10.1f}"
+            f"  {r['tpot'] * 1000:>10.2f}"
+        )
     line = LiveLine().update(await _get(base + "/metrics"))
     if line:
         print(f"router metrics: {line}")
@@ -320,28 +343,36 @@ async def run_demo(base: str, model: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: build a tiny model once)")
-    parser.add_argument("--preset", default=DEFAULT_PRESET,
-                        help="make-model preset used when --model is not given")
+    parser.add_argument(
+        "--preset", default=DEFAULT_PRESET, help="make-model preset used when --model is not given"
+    )
     parser.add_argument("--config", help="ServingConfig YAML passed to every process")
     parser.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     parser.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
-    parser.add_argument("--colocated", type=int, default=None,
-                        help="colocated workers instead of prefill+decode pools")
+    parser.add_argument(
+        "--colocated",
+        type=int,
+        default=None,
+        help="colocated workers instead of prefill+decode pools",
+    )
     parser.add_argument("--port", type=int, default=8000, help="router port (0 = pick free)")
     parser.add_argument("--host", default="127.0.0.1", help="router listen address")
     parser.add_argument("--device", default="auto", help="worker device: auto|cpu|cuda|cuda:N")
-    parser.add_argument("--demo", action="store_true",
-                        help="send a few streaming requests, print them, stop and exit")
-    parser.add_argument("--stats-interval", type=float, default=5.0,
-                        help="seconds between live TTFT/TPOT lines")
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="send a few streaming requests, print them, stop and exit",
+    )
+    parser.add_argument(
+        "--stats-interval", type=float, default=5.0, help="seconds between live TTFT/TPOT lines"
+    )
     parser.add_argument("--log-dir", help="where child logs go (default: a temp dir)")
 
 
 def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     if args.colocated is not None:
         if args.prefill is not None or args.decode is not None:
-            raise SystemExit("splitserve up: use --colocated K or --prefill N --decode M, "
-                             "not both")
+            raise SystemExit("splitserve up: use --colocated K or --prefill N --decode M, not both")
         if args.colocated < 1:
             raise SystemExit("splitserve up: --colocated must be >= 1")
         return 0, 0, args.colocated
@@ -352,8 +383,9 @@ def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     return prefill, decode, 0
 
 
-async def _up(args: argparse.Namespace, model: Path, counts: tuple[int, int, int],
-              log_dir: Path) -> int:
+async def _up(
+    args: argparse.Namespace, model: Path, counts: tuple[int, int, int], log_dir: Path
+) -> int:
     n_prefill, n_decode, n_colocated = counts
     n_workers = n_prefill + n_decode + n_colocated
     stack = LocalStack(log_dir, max(1, (os.cpu_count() or 1) // n_workers))
@@ -361,16 +393,29 @@ async def _up(args: argparse.Namespace, model: Path, counts: tuple[int, int, int
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    common = ["--model", str(model), "--device", args.device, "--host", "127.0.0.1",
-              "--port", "0", "--metrics-port", "0"]
+    common = [
+        "--model",
+        str(model),
+        "--device",
+        args.device,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+    ]
     if args.config:
         common += ["--config", args.config]
     try:
-        specs = ([("prefill", i) for i in range(n_prefill)]
-                 + [("decode", i) for i in range(n_decode)]
-                 + [("colocated", i) for i in range(n_colocated)])
-        starting = asyncio.gather(*(stack.start(f"{role}-{i}", [role, *common])
-                                    for role, i in specs))
+        specs = (
+            [("prefill", i) for i in range(n_prefill)]
+            + [("decode", i) for i in range(n_decode)]
+            + [("colocated", i) for i in range(n_colocated)]
+        )
+        starting = asyncio.gather(
+            *(stack.start(f"{role}-{i}", [role, *common]) for role, i in specs)
+        )
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if stopper in done:
@@ -382,8 +427,15 @@ async def _up(args: argparse.Namespace, model: Path, counts: tuple[int, int, int
         def endpoints(role: str) -> str:
             return ",".join(f"127.0.0.1:{c.port}" for c in workers if c.name.startswith(role))
 
-        router_args = ["router", "--model", str(model), "--port", str(args.port),
-                       "--host", args.host]
+        router_args = [
+            "router",
+            "--model",
+            str(model),
+            "--port",
+            str(args.port),
+            "--host",
+            args.host,
+        ]
         if args.config:
             router_args += ["--config", args.config]
         if n_colocated:
@@ -395,10 +447,16 @@ async def _up(args: argparse.Namespace, model: Path, counts: tuple[int, int, int
         base = f"http://{host}:{router.port}"
         await _wait_ready(base)
         model_name = json.loads(await _get(base + "/v1/models"))["data"][0]["id"]
-        shape = (f"{n_colocated} colocated" if n_colocated
-                 else f"{n_prefill} prefill + {n_decode} decode")
-        print(f"splitserve is up: {base}/v1 (model {model_name!r}, {shape} worker(s), "
-              f"logs in {log_dir})", flush=True)
+        shape = (
+            f"{n_colocated} colocated"
+            if n_colocated
+            else f"{n_prefill} prefill + {n_decode} decode"
+        )
+        print(
+            f"splitserve is up: {base}/v1 (model {model_name!r}, {shape} worker(s), "
+            f"logs in {log_dir})",
+            flush=True,
+        )
         print(f"READY role=up port={router.port}", flush=True)
         if args.demo:
             demo = asyncio.ensure_future(run_demo(base, model_name))
@@ -426,14 +484,19 @@ async def _watch(stack: LocalStack, base: str, stop: asyncio.Event, interval: fl
     stopper = asyncio.ensure_future(stop.wait())
     try:
         while True:
-            done, _ = await asyncio.wait({exited, stopper}, timeout=interval,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {exited, stopper}, timeout=interval, return_when=asyncio.FIRST_COMPLETED
+            )
             if stopper in done:
                 return 0
             if exited in done:
                 child = exited.result()
-                print(f"splitserve up: {child.name} exited with {child.proc.returncode}; "
-                      f"its log:\n{child.log_tail()}", file=sys.stderr, flush=True)
+                print(
+                    f"splitserve up: {child.name} exited with {child.proc.returncode}; "
+                    f"its log:\n{child.log_tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             with contextlib.suppress(Exception):
                 line = live.update(await _get(base + "/metrics"))

@@ -91,13 +91,16 @@ class Router:
         poll = options.poll_interval
         self.pools: dict[str, WorkerPool] = {}
         if self.colocated:
-            self.pools["colocated"] = WorkerPool("colocated", options.discovery,
-                                                 options.colocated_policy, poll)
+            self.pools["colocated"] = WorkerPool(
+                "colocated", options.discovery, options.colocated_policy, poll
+            )
         else:
-            self.pools["prefill"] = WorkerPool("prefill", options.discovery,
-                                               options.prefill_policy, poll)
-            self.pools["decode"] = WorkerPool("decode", options.discovery,
-                                              options.decode_policy, poll)
+            self.pools["prefill"] = WorkerPool(
+                "prefill", options.discovery, options.prefill_policy, poll
+            )
+            self.pools["decode"] = WorkerPool(
+                "decode", options.discovery, options.decode_policy, poll
+            )
         self.created = api.now()
         self.in_flight = 0
         self.draining = False
@@ -109,8 +112,9 @@ class Router:
     def app(self) -> web.Application:
         # The body limit is enforced by aiohttp while reading; the handler turns the overflow
         # into an OpenAI-style 413.
-        app = web.Application(client_max_size=self.options.max_request_bytes,
-                              middlewares=[self._errors])
+        app = web.Application(
+            client_max_size=self.options.max_request_bytes, middlewares=[self._errors]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -146,15 +150,17 @@ class Router:
             raise
         except Exception as e:  # a bug must still answer in the API's shape
             log.exception("unhandled error on %s", request.path)
-            err = api.APIError(500, f"internal error: {type(e).__name__}: {e}",
-                               code="internal_error")
+            err = api.APIError(
+                500, f"internal error: {type(e).__name__}: {e}", code="internal_error"
+            )
             return web.json_response(err.body(), status=500)
 
     # ---- plain endpoints -------------------------------------------------------------------
 
     async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response(api.models_response(
-            self.options.model_name, self.created, self.options.max_model_len))
+        return web.json_response(
+            api.models_response(self.options.model_name, self.created, self.options.max_model_len)
+        )
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -162,8 +168,9 @@ class Router:
     async def ready(self, _request: web.Request) -> web.Response:
         pools = {role: pool.ready() for role, pool in self.pools.items()}
         ok = all(pools.values()) and not self.draining
-        return web.json_response({"ready": ok, "draining": self.draining, "pools": pools},
-                                 status=200 if ok else 503)
+        return web.json_response(
+            {"ready": ok, "draining": self.draining, "pools": pools}, status=200 if ok else 503
+        )
 
     async def metrics_endpoint(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.registry)
@@ -183,14 +190,20 @@ class Router:
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.options.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise api.APIError(413, f"request body is {request.content_length} bytes; the limit "
-                                    f"is {limit} bytes (router.max_request_bytes)",
-                               code="request_too_large")
+            raise api.APIError(
+                413,
+                f"request body is {request.content_length} bytes; the limit "
+                f"is {limit} bytes (router.max_request_bytes)",
+                code="request_too_large",
+            )
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge as e:
-            raise api.APIError(413, f"request body exceeds the limit of {limit} bytes "
-                                    "(router.max_request_bytes)", code="request_too_large") from e
+            raise api.APIError(
+                413,
+                f"request body exceeds the limit of {limit} bytes (router.max_request_bytes)",
+                code="request_too_large",
+            ) from e
 
     def _prompt_ids(self, req: api.GenerationRequest) -> tuple[list[int], str]:
         """Token ids and the prompt text (for echo)."""
@@ -206,8 +219,11 @@ class Router:
             if self.vocab_size is not None:
                 bad = [t for t in req.prompt_token_ids if t >= self.vocab_size]
                 if bad:
-                    raise api.invalid("prompt", f"token id {bad[0]} is out of the vocabulary "
-                                                f"(size {self.vocab_size})")
+                    raise api.invalid(
+                        "prompt",
+                        f"'prompt' token id {bad[0]} is out of the vocabulary "
+                        f"(size {self.vocab_size})",
+                    )
             return list(req.prompt_token_ids), self.tokenizer.decode(req.prompt_token_ids)
         assert req.prompt is not None
         return self.tokenizer.encode(req.prompt, add_special_tokens=True), req.prompt
@@ -220,7 +236,8 @@ class Router:
                 f"This model's maximum context length is {limit} tokens. However, your "
                 f"{req.prompt_param} has {n_prompt} tokens, leaving no room for the completion. "
                 f"Please shorten the {req.prompt_param}.",
-                param=req.prompt_param, code="context_length_exceeded",
+                param=req.prompt_param,
+                code="context_length_exceeded",
             )
         if req.max_tokens is None:
             return limit - n_prompt
@@ -231,7 +248,8 @@ class Router:
                 f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {req.prompt_param}, "
                 f"{req.max_tokens} for the completion). Please reduce the length of the "
                 f"{req.prompt_param} or max_tokens.",
-                param="max_tokens", code="context_length_exceeded",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         return req.max_tokens
 
@@ -246,26 +264,41 @@ class Router:
             body = api.parse_json_body(await self._read_body(request))
             header_priority = request.headers.get(api.PRIORITY_HEADER)
             req = (api.parse_chat if kind == "chat" else api.parse_completion)(
-                body, header_priority)
+                body, header_priority
+            )
             if req.model and req.model != self.options.model_name:
-                raise api.APIError(404, f"The model '{req.model}' does not exist; this server "
-                                        f"serves '{self.options.model_name}'",
-                                   param="model", code="model_not_found")
+                raise api.APIError(
+                    404,
+                    f"The model '{req.model}' does not exist; this server "
+                    f"serves '{self.options.model_name}'",
+                    param="model",
+                    code="model_not_found",
+                )
             prompt_ids, prompt_text = self._prompt_ids(req)
             max_tokens = self._check_length(req, len(prompt_ids))
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             sampling = serving_pb2.SamplingParams(
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                max_tokens=max_tokens, stop_token_ids=req.stop_token_ids, stop=req.stop,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                max_tokens=max_tokens,
+                stop_token_ids=req.stop_token_ids,
+                stop=req.stop,
                 ignore_eos=req.ignore_eos,
             )
             if req.seed is not None:
                 sampling.seed = req.seed
             flow = Flow(
-                FlowRequest(rid, prompt_ids, sampling, _PRIORITY[req.priority],
-                            [] if req.ignore_eos else self.eos_token_ids),
+                FlowRequest(
+                    rid,
+                    prompt_ids,
+                    sampling,
+                    _PRIORITY[req.priority],
+                    [] if req.ignore_eos else self.eos_token_ids,
+                ),
                 self.options.flow,
-                prefill=self.pools.get("prefill"), decode=self.pools.get("decode"),
+                prefill=self.pools.get("prefill"),
+                decode=self.pools.get("decode"),
                 colocated=self.pools.get("colocated"),
             )
             run = _Run(self, req, flow, rid, prompt_ids, prompt_text, arrival)
@@ -292,8 +325,16 @@ class _Run:
     """One generation request at the edge: consumes the flow, detokenizes, writes the answer,
     and keeps the timestamps the edge metrics come from."""
 
-    def __init__(self, router: Router, req: api.GenerationRequest, flow: Flow, rid: str,
-                 prompt_ids: list[int], prompt_text: str, arrival: float) -> None:
+    def __init__(
+        self,
+        router: Router,
+        req: api.GenerationRequest,
+        flow: Flow,
+        rid: str,
+        prompt_ids: list[int],
+        prompt_text: str,
+        arrival: float,
+    ) -> None:
         self.router = router
         self.req = req
         self.flow = flow
@@ -304,7 +345,8 @@ class _Run:
         self.created = api.now()
         self.model = router.options.model_name
         self.detok = IncrementalDetokenizer(
-            router.tokenizer, req.stop, [] if req.ignore_eos else router.eos_token_ids)
+            router.tokenizer, req.stop, [] if req.ignore_eos else router.eos_token_ids
+        )
         self.token_times: list[tuple[float, int]] = []  # (arrival at router, tokens in event)
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -345,8 +387,9 @@ class _Run:
         self.status = "ok"
         text = "".join(parts)
         build = api.chat_response if self.req.kind == "chat" else api.completion_response
-        return web.json_response(build(self.rid, self.model, self.created, text,
-                                       self.finish_reason, self.usage()))
+        return web.json_response(
+            build(self.rid, self.model, self.created, text, self.finish_reason, self.usage())
+        )
 
     def _chunk(self, text: str, reason: str | None, first: bool = False) -> dict[str, Any]:
         if self.req.kind == "chat":
@@ -363,10 +406,13 @@ class _Run:
             # Wait for the first token before answering: an error before it (no capacity,
             # every prefill failed) is still a plain HTTP error with the right status.
             first = await anext(chunks, None)
-            response = web.StreamResponse(headers={
-                "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                "X-Request-Id": self.rid,
-            })
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": self.rid,
+                }
+            )
             await response.prepare(request)
             pending = [first] if first is not None else []
             is_first = True
@@ -394,8 +440,13 @@ class _Run:
                 await response.write(api.sse("[DONE]"))
                 return response
             if self.req.include_usage:
-                await response.write(api.sse(api.usage_chunk(
-                    self.rid, self.model, self.created, self.req.kind, self.usage())))
+                await response.write(
+                    api.sse(
+                        api.usage_chunk(
+                            self.rid, self.model, self.created, self.req.kind, self.usage()
+                        )
+                    )
+                )
             await response.write(api.sse("[DONE]"))
             self.status = "ok"
             return response
@@ -452,21 +503,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service", help="service label on metrics (default: config's)")
     parser.add_argument("--prefill", help="prefill endpoints host:port,... (dns: the Service)")
     parser.add_argument("--decode", help="decode endpoints host:port,... (dns: the Service)")
-    parser.add_argument("--colocated", help="colocated endpoints host:port,... (instead of "
-                                            "prefill+decode; dns: the Service)")
+    parser.add_argument(
+        "--colocated",
+        help="colocated endpoints host:port,... (instead of prefill+decode; dns: the Service)",
+    )
     parser.add_argument("--discovery", choices=("static", "dns"))
-    parser.add_argument("--prefill-policy", choices=("least_queued_tokens", "round_robin",
-                                                     "random"))
+    parser.add_argument(
+        "--prefill-policy", choices=("least_queued_tokens", "round_robin", "random")
+    )
     parser.add_argument("--decode-policy", choices=("most_free_blocks", "round_robin", "random"))
-    parser.add_argument("--colocated-policy", default="least_loaded",
-                        choices=("least_loaded", "most_free_blocks", "round_robin", "random"))
+    parser.add_argument(
+        "--colocated-policy",
+        default="least_loaded",
+        choices=("least_loaded", "most_free_blocks", "round_robin", "random"),
+    )
     parser.add_argument("--max-request-bytes", type=int)
-    parser.add_argument("--poll-interval", type=float, default=0.5,
-                        help="seconds between Load polls of each worker")
-    parser.add_argument("--admission-timeout", type=float, default=30.0,
-                        help="seconds a request may wait for free KV blocks on a decode worker")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds to let in-flight requests finish")
+    parser.add_argument(
+        "--poll-interval", type=float, default=0.5, help="seconds between Load polls of each worker"
+    )
+    parser.add_argument(
+        "--admission-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request may wait for free KV blocks on a decode worker",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -477,25 +543,40 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
     if not model_dir:
         raise SystemExit("splitserve router: --model (or model.path in --config) is required")
     discovery_kind = args.discovery or rs.discovery
-    prefill = args.prefill if args.prefill is not None else (
-        rs.prefill_service if discovery_kind == "dns" else rs.prefill_endpoints)
-    decode = args.decode if args.decode is not None else (
-        rs.decode_service if discovery_kind == "dns" else rs.decode_endpoints)
+    prefill = (
+        args.prefill
+        if args.prefill is not None
+        else (rs.prefill_service if discovery_kind == "dns" else rs.prefill_endpoints)
+    )
+    decode = (
+        args.decode
+        if args.decode is not None
+        else (rs.decode_service if discovery_kind == "dns" else rs.decode_endpoints)
+    )
     discovery: Discovery
     try:
         if discovery_kind == "dns":
-            discovery = DnsDiscovery({"prefill": prefill or "", "decode": decode or "",
-                                      "colocated": args.colocated or ""})
+            discovery = DnsDiscovery(
+                {
+                    "prefill": prefill or "",
+                    "decode": decode or "",
+                    "colocated": args.colocated or "",
+                }
+            )
         else:
-            discovery = StaticDiscovery(split_endpoints(prefill), split_endpoints(decode),
-                                        split_endpoints(args.colocated))
+            discovery = StaticDiscovery(
+                split_endpoints(prefill), split_endpoints(decode), split_endpoints(args.colocated)
+            )
     except ValueError as e:
         raise SystemExit(f"splitserve router: {e}") from e
     name = args.model_name or config.model.name or Path(model_dir).name
     max_len = args.max_model_len or config.model.max_model_len or model_max_len(model_dir)
     options = RouterOptions(
-        model_name=name, model_dir=model_dir, max_model_len=max_len,
-        service=args.service or config.service, discovery=discovery,
+        model_name=name,
+        model_dir=model_dir,
+        max_model_len=max_len,
+        service=args.service or config.service,
+        discovery=discovery,
         prefill_policy=args.prefill_policy or rs.prefill_policy,
         decode_policy=args.decode_policy or rs.decode_policy,
         colocated_policy=args.colocated_policy,
@@ -508,8 +589,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
     return options, port
 
 
-async def serve(router: Router, host: str, port: int,
-                stop: asyncio.Event | None = None) -> None:
+async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT (or `stop`), then drains in-flight requests."""
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -534,8 +614,9 @@ async def serve(router: Router, host: str, port: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     options, port = options_from_args(args)
     try:
         tokenizer = load_tokenizer(options.model_dir)

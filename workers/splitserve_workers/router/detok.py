@@ -18,8 +18,9 @@ class IncrementalDetokenizer:
     output keeps each step O(window); the window restarts where the last complete text ended, so
     tokenizers that merge spaces or bytes across tokens still come out right."""
 
-    def __init__(self, tokenizer: Decoder, stop: Iterable[str] = (),
-                 skip_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Decoder, stop: Iterable[str] = (), skip_ids: Iterable[int] = ()
+    ) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the decode window
@@ -32,11 +33,11 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, token_id: int) -> str:
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset:])
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset :])
         # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the next token.
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             return delta
@@ -58,9 +59,9 @@ class IncrementalDetokenizer:
             return ""
         # Flush a trailing incomplete character as the tokenizer renders it.
         if self._read_offset < len(self._ids):
-            prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-            full = self._tok.decode(self._ids[self._prefix_offset:])
-            self._text += full[len(prefix):]
+            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._tok.decode(self._ids[self._prefix_offset :])
+            self._text += full[len(prefix) :]
             self._read_offset = len(self._ids)
         return self._release(final=True)
 
@@ -71,14 +72,14 @@ class IncrementalDetokenizer:
             hits = [i for s in self._stop if (i := self._text.find(s, self._emitted)) >= 0]
             if hits:
                 cut = min(hits)
-                out = self._text[self._emitted:cut]
+                out = self._text[self._emitted : cut]
                 self._emitted = cut
                 self.stopped = True
                 return out
         end = len(self._text)
         if not final and self._stop:
             end -= self._held_back()
-        out = self._text[self._emitted:end]
+        out = self._text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         return out
 
@@ -95,4 +96,4 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All text shown so far."""
-        return self._text[:self._emitted]
+        return self._text[: self._emitted]

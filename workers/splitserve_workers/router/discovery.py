@@ -40,8 +40,12 @@ class Discovery(ABC):
 
 
 class StaticDiscovery(Discovery):
-    def __init__(self, prefill: list[str] | None = None, decode: list[str] | None = None,
-                 colocated: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        prefill: list[str] | None = None,
+        decode: list[str] | None = None,
+        colocated: list[str] | None = None,
+    ) -> None:
         self._by_role = {
             "prefill": list(prefill or []),
             "decode": list(decode or []),
@@ -74,8 +78,9 @@ class DnsDiscovery(Discovery):
         host, _, port = service.rpartition(":")
         loop = asyncio.get_running_loop()
         try:
-            infos = await loop.getaddrinfo(host, int(port), family=socket.AF_INET,
-                                           type=socket.SOCK_STREAM)
+            infos = await loop.getaddrinfo(
+                host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM
+            )
         except OSError:
             return list(self._last.get(role, []))
         found = sorted({f"{info[4][0]}:{info[4][1]}" for info in infos})

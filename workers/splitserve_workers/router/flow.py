@@ -101,9 +101,15 @@ def _rpc_reason(e: grpc.aio.AioRpcError) -> str:
 class Flow:
     """One request's path through the pools. Iterate `tokens()`; close it early to abort."""
 
-    def __init__(self, req: FlowRequest, settings: FlowSettings, *,
-                 prefill: WorkerPool | None = None, decode: WorkerPool | None = None,
-                 colocated: WorkerPool | None = None) -> None:
+    def __init__(
+        self,
+        req: FlowRequest,
+        settings: FlowSettings,
+        *,
+        prefill: WorkerPool | None = None,
+        decode: WorkerPool | None = None,
+        colocated: WorkerPool | None = None,
+    ) -> None:
         self.req = req
         self.settings = settings
         self.prefill = prefill
@@ -162,17 +168,24 @@ class Flow:
             while (worker := self.decode.pick(tried)) is not None:
                 tried.add(worker.load.endpoint)
                 block = worker.model.block_size or 0
-                if block and worker.load.total_blocks and \
-                        math.ceil(need / block) > worker.load.total_blocks:
-                    last_reason = (f"prompt needs {math.ceil(need / block)} KV blocks, "
-                                   f"decode worker has {worker.load.total_blocks}")
+                if (
+                    block
+                    and worker.load.total_blocks
+                    and math.ceil(need / block) > worker.load.total_blocks
+                ):
+                    last_reason = (
+                        f"prompt needs {math.ceil(need / block)} KV blocks, "
+                        f"decode worker has {worker.load.total_blocks}"
+                    )
                     continue
                 try:
                     resp = await worker.stub.Reserve(
                         serving_pb2.ReserveRequest(
-                            request_id=worker_rid, model=source,
+                            request_id=worker_rid,
+                            model=source,
                             num_prompt_tokens=len(self.req.prompt_token_ids),
-                            max_tokens=self.req.max_tokens, priority=self.req.priority,
+                            max_tokens=self.req.max_tokens,
+                            priority=self.req.priority,
                         ),
                         timeout=self.settings.rpc_timeout_seconds,
                     )
@@ -196,13 +209,20 @@ class Flow:
                     incompatible += 1
             if tried and incompatible == len(tried):
                 # Waiting cannot fix a model mismatch: say so now.
-                raise FlowError(502, f"no decode worker can take this prefill worker's KV "
-                                     f"({last_reason})", code="incompatible_workers")
+                raise FlowError(
+                    502,
+                    f"no decode worker can take this prefill worker's KV ({last_reason})",
+                    code="incompatible_workers",
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise FlowError(503, f"no decode worker admitted the request within "
-                                     f"{self.settings.admission_timeout_seconds:g}s "
-                                     f"({last_reason})", code="no_capacity")
+                raise FlowError(
+                    503,
+                    f"no decode worker admitted the request within "
+                    f"{self.settings.admission_timeout_seconds:g}s "
+                    f"({last_reason})",
+                    code="no_capacity",
+                )
             # Full everywhere: wait for the next Load poll (blocks free up as requests end).
             await self.decode.wait_for_change(min(remaining, 1.0))
 
@@ -238,11 +258,16 @@ class Flow:
                 prefill.load.pending_tokens += len(req.prompt_token_ids)
                 prefill.load.pending_requests += 1
                 prefill_done = False
-                prefill_call = prefill.stub.Prefill(serving_pb2.PrefillRequest(
-                    request_id=worker_rid, prompt_token_ids=req.prompt_token_ids,
-                    sampling=req.sampling, priority=req.priority,
-                    decode_endpoint=decode.load.endpoint, decode_model=decode.model,
-                ))
+                prefill_call = prefill.stub.Prefill(
+                    serving_pb2.PrefillRequest(
+                        request_id=worker_rid,
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                        priority=req.priority,
+                        decode_endpoint=decode.load.endpoint,
+                        decode_model=decode.model,
+                    )
+                )
                 try:
                     async for event in prefill_call:
                         kind = event.WhichOneof("event")
@@ -265,13 +290,17 @@ class Flow:
                         raise FlowError(502, "prefill stream ended before the KV transfer was done")
                     break
                 except (grpc.aio.AioRpcError, FlowError) as e:
-                    last_error = (f"{prefill.load.endpoint}: "
-                                  f"{_rpc_reason(e) if isinstance(e, grpc.aio.AioRpcError) else e}")
+                    last_error = (
+                        f"{prefill.load.endpoint}: "
+                        f"{_rpc_reason(e) if isinstance(e, grpc.aio.AioRpcError) else e}"
+                    )
                     log.warning("prefill attempt %d failed: %s", attempt + 1, last_error)
                     failed_prefill.add(prefill.load.endpoint)
                     if isinstance(e, grpc.aio.AioRpcError) and e.code() in (
-                        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.UNKNOWN,
                     ):
                         self.prefill.mark_failed(prefill.load.endpoint)
                     _spawn(_abort(prefill, worker_rid, self.settings.abort_timeout_seconds))
@@ -281,11 +310,16 @@ class Flow:
                     decode = None
             # ---- decode ----
             assert first is not None and decode is not None
-            generate_call = decode.stub.Generate(serving_pb2.GenerateRequest(
-                request_id=worker_rid, prompt_token_ids=req.prompt_token_ids,
-                first_token=first.token_id, sampling=req.sampling, priority=req.priority,
-                first_token_logprob=first.logprob,
-            ))
+            generate_call = decode.stub.Generate(
+                serving_pb2.GenerateRequest(
+                    request_id=worker_rid,
+                    prompt_token_ids=req.prompt_token_ids,
+                    first_token=first.token_id,
+                    sampling=req.sampling,
+                    priority=req.priority,
+                    first_token_logprob=first.logprob,
+                )
+            )
             try:
                 async for event in generate_call:
                     chunk = self._chunk(event)
@@ -297,10 +331,14 @@ class Flow:
                         return
             except grpc.aio.AioRpcError as e:
                 self.decode.mark_failed(decode.load.endpoint)
-                raise FlowError(502, f"decode worker {decode.load.endpoint} failed mid-stream: "
-                                     f"{_rpc_reason(e)}") from e
-            raise FlowError(502, f"decode worker {decode.load.endpoint} ended the stream "
-                                 "without finishing the request")
+                raise FlowError(
+                    502, f"decode worker {decode.load.endpoint} failed mid-stream: {_rpc_reason(e)}"
+                ) from e
+            raise FlowError(
+                502,
+                f"decode worker {decode.load.endpoint} ended the stream "
+                "without finishing the request",
+            )
         finally:
             timeout = self.settings.abort_timeout_seconds
             if prefill_call is not None and not prefill_done:
@@ -338,10 +376,14 @@ class Flow:
                 self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint
                 start = time.monotonic()
                 done = False
-                call = worker.stub.Complete(serving_pb2.CompleteRequest(
-                    request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                    sampling=req.sampling, priority=req.priority,
-                ))
+                call = worker.stub.Complete(
+                    serving_pb2.CompleteRequest(
+                        request_id=req.request_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                        priority=req.priority,
+                    )
+                )
                 got_token = False
                 try:
                     async for event in call:
@@ -356,14 +398,18 @@ class Flow:
                             yield chunk
                         if chunk.finished:
                             return
-                    raise FlowError(502, f"colocated worker {worker.load.endpoint} ended the "
-                                         "stream without finishing the request")
+                    raise FlowError(
+                        502,
+                        f"colocated worker {worker.load.endpoint} ended the "
+                        "stream without finishing the request",
+                    )
                 except grpc.aio.AioRpcError as e:
                     last_error = f"{worker.load.endpoint}: {_rpc_reason(e)}"
                     self.colocated.mark_failed(worker.load.endpoint)
                     if got_token:
-                        raise FlowError(502, f"colocated worker failed mid-stream: "
-                                             f"{last_error}") from e
+                        raise FlowError(
+                            502, f"colocated worker failed mid-stream: {last_error}"
+                        ) from e
                     failed.add(worker.load.endpoint)
                     done = True  # the failed call has nothing left to abort
         finally:

@@ -91,8 +91,13 @@ def _is_number(value: Any) -> bool:
 
 def _type_name(value: Any) -> str:
     return {
-        type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
-        list: "array", dict: "object",
+        type(None): "null",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
     }.get(type(value), type(value).__name__)
 
 
@@ -114,8 +119,9 @@ def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int
     return int(value)
 
 
-def _float(body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool = False
-           ) -> float | None:
+def _float(
+    body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool = False
+) -> float | None:
     value = body.get(name)
     if value is None:
         return None
@@ -146,8 +152,9 @@ def _stop(body: dict[str, Any]) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise _wrong_type("stop", "a string or an array of strings", value)
     if len(value) > MAX_STOP_STRINGS:
-        raise invalid("stop", f"'stop' accepts at most {MAX_STOP_STRINGS} strings, "
-                              f"got {len(value)}")
+        raise invalid(
+            "stop", f"'stop' accepts at most {MAX_STOP_STRINGS} strings, got {len(value)}"
+        )
     if any(s == "" for s in value):
         raise invalid("stop", "'stop' strings must not be empty")
     return list(value)
@@ -180,8 +187,20 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _IGNORED = ("user", "metadata", "store", "service_tier")
 
 _COMMON = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-    "stream_options", "priority", "ignore_eos", "stop_token_ids", *_NEUTRAL, *_IGNORED,
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "priority",
+    "ignore_eos",
+    "stop_token_ids",
+    *_NEUTRAL,
+    *_IGNORED,
 }
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo"}
 CHAT_PARAMS = (_COMMON | {"messages", "max_completion_tokens"}) - {"suffix", "best_of"}
@@ -191,14 +210,17 @@ def _check_neutral(body: dict[str, Any], allowed: set[str]) -> None:
     for name in sorted(body):
         if name not in allowed:
             raise APIError(
-                400, f"Unrecognized request argument supplied: {name}", param=name,
+                400,
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
                 code="unknown_parameter",
             )
         if name in _NEUTRAL and body[name] not in _NEUTRAL[name]:
             raise APIError(
                 400,
                 f"'{name}' is not supported by this server (got {json.dumps(body[name])[:80]})",
-                param=name, code="unsupported_parameter",
+                param=name,
+                code="unsupported_parameter",
             )
 
 
@@ -208,8 +230,9 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(body, dict):
-        raise APIError(400, f"request body must be a JSON object, got {_type_name(body)}",
-                       code="invalid_json")
+        raise APIError(
+            400, f"request body must be a JSON object, got {_type_name(body)}", code="invalid_json"
+        )
     return body
 
 
@@ -233,13 +256,18 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
         if not isinstance(options, dict):
             raise _wrong_type("stream_options", "an object", options)
         if not req.stream:
-            raise invalid("stream_options",
-                          "'stream_options' is only allowed when 'stream' is true")
+            raise invalid(
+                "stream_options", "'stream_options' is only allowed when 'stream' is true"
+            )
         unknown = set(options) - {"include_usage", "continuous_usage_stats"}
         if unknown:
             name = sorted(unknown)[0]
-            raise APIError(400, f"Unrecognized request argument supplied: stream_options.{name}",
-                           param=f"stream_options.{name}", code="unknown_parameter")
+            raise APIError(
+                400,
+                f"Unrecognized request argument supplied: stream_options.{name}",
+                param=f"stream_options.{name}",
+                code="unknown_parameter",
+            )
         req.include_usage = bool(_bool(options, "include_usage"))
     priority = body.get("priority")
     param = "priority"
@@ -247,8 +275,11 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
         priority, param = header_priority.strip().lower(), PRIORITY_HEADER
     if priority is not None:
         if priority not in PRIORITIES:
-            raise invalid(param, f"'{param}' must be one of {', '.join(PRIORITIES)}, "
-                                 f"got {json.dumps(priority)[:40]}")
+            raise invalid(
+                param,
+                f"'{param}' must be one of {', '.join(PRIORITIES)}, "
+                f"got {json.dumps(priority)[:40]}",
+            )
         req.priority = priority
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -256,14 +287,14 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     req.model = model or ""
 
 
-def parse_completion(body: dict[str, Any], header_priority: str | None = None
-                     ) -> GenerationRequest:
+def parse_completion(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
     _check_neutral(body, COMPLETION_PARAMS)
     req = GenerationRequest(kind="completion", model="")
     _common(body, req, header_priority)
     if "prompt" not in body:
-        raise APIError(400, "'prompt' is required", param="prompt",
-                       code="missing_required_parameter")
+        raise APIError(
+            400, "'prompt' is required", param="prompt", code="missing_required_parameter"
+        )
     prompt = body["prompt"]
     # OpenAI accepts a batch as a list; the router serves one prompt per request (n=1).
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -277,8 +308,12 @@ def parse_completion(body: dict[str, Any], header_priority: str | None = None
             raise invalid("prompt", "'prompt' token ids must be non-negative")
         req.prompt_token_ids = list(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise APIError(400, "'prompt' as a batch of several prompts is not supported; send one "
-                            "prompt per request", param="prompt", code="unsupported_parameter")
+        raise APIError(
+            400,
+            "'prompt' as a batch of several prompts is not supported; send one prompt per request",
+            param="prompt",
+            code="unsupported_parameter",
+        )
     else:
         raise _wrong_type("prompt", "a string or an array of token ids", prompt)
     req.max_tokens = _int(body, "max_tokens", 1)
@@ -294,19 +329,25 @@ def _message_text(i: int, message: Any) -> dict[str, Any]:
         raise _wrong_type(param, "an object", message)
     role = message.get("role")
     if role not in CHAT_ROLES:
-        raise invalid(f"{param}.role", f"'{param}.role' must be one of {', '.join(CHAT_ROLES)}, "
-                                       f"got {json.dumps(role)[:40]}")
+        raise invalid(
+            f"{param}.role",
+            f"'{param}.role' must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)[:40]}",
+        )
     content = message.get("content")
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                part.get("text"), str
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
             ):
                 raise APIError(
-                    400, f"'{param}.content[{j}]' must be a text part "
-                         "({\"type\": \"text\", \"text\": ...}); other content is not supported",
-                    param=f"{param}.content[{j}]", code="unsupported_parameter",
+                    400,
+                    f"'{param}.content[{j}]' must be a text part "
+                    '({"type": "text", "text": ...}); other content is not supported',
+                    param=f"{param}.content[{j}]",
+                    code="unsupported_parameter",
                 )
             parts.append(part["text"])
         content = "".join(parts)
@@ -325,8 +366,9 @@ def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> Gene
     req = GenerationRequest(kind="chat", model="")
     _common(body, req, header_priority)
     if "messages" not in body:
-        raise APIError(400, "'messages' is required", param="messages",
-                       code="missing_required_parameter")
+        raise APIError(
+            400, "'messages' is required", param="messages", code="missing_required_parameter"
+        )
     messages = body["messages"]
     if not isinstance(messages, list):
         raise _wrong_type("messages", "an array", messages)
@@ -353,59 +395,89 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return out
 
 
-def completion_response(rid: str, model: str, created: int, text: str,
-                        finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+def completion_response(
+    rid: str, model: str, created: int, text: str, finish_reason: str | None, use: dict[str, Any]
+) -> dict[str, Any]:
     return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
         "usage": use,
     }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str,
-                     finish_reason: str | None) -> dict[str, Any]:
+def completion_chunk(
+    rid: str, model: str, created: int, text: str, finish_reason: str | None
+) -> dict[str, Any]:
     return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
     }
 
 
-def chat_response(rid: str, model: str, created: int, text: str,
-                  finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+def chat_response(
+    rid: str, model: str, created: int, text: str, finish_reason: str | None, use: dict[str, Any]
+) -> dict[str, Any]:
     return {
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }],
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
         "usage": use,
     }
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any],
-               finish_reason: str | None) -> dict[str, Any]:
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None
+) -> dict[str, Any]:
     return {
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
     }
 
 
-def usage_chunk(rid: str, model: str, created: int, kind: str,
-                use: dict[str, Any]) -> dict[str, Any]:
+def usage_chunk(
+    rid: str, model: str, created: int, kind: str, use: dict[str, Any]
+) -> dict[str, Any]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": use}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": use,
+    }
 
 
 def models_response(model: str, created: int, max_model_len: int) -> dict[str, Any]:
     return {
         "object": "list",
-        "data": [{
-            "id": model, "object": "model", "created": created, "owned_by": "splitserve",
-            "max_model_len": max_model_len,
-        }],
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "splitserve",
+                "max_model_len": max_model_len,
+            }
+        ],
     }
 
 

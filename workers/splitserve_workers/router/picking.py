@@ -63,8 +63,13 @@ class WorkerLoad:
         return self.free_blocks - self.pending_blocks
 
 
-def choose(workers: list[WorkerLoad], policy: str, exclude: set[str] | frozenset[str] = frozenset(),
-           counter: int = 0, rng: random.Random | None = None) -> WorkerLoad | None:
+def choose(
+    workers: list[WorkerLoad],
+    policy: str,
+    exclude: set[str] | frozenset[str] = frozenset(),
+    counter: int = 0,
+    rng: random.Random | None = None,
+) -> WorkerLoad | None:
     """The worker to use, or None when no healthy, non-draining worker is left. Ties break by
     endpoint name so picking is deterministic."""
     candidates = [w for w in workers if w.healthy and not w.draining and w.endpoint not in exclude]
@@ -76,10 +81,14 @@ def choose(workers: list[WorkerLoad], policy: str, exclude: set[str] | frozenset
     if policy == "most_free_blocks":
         return max(candidates, key=lambda w: (w.effective_free_blocks(), -w.pending_requests))
     if policy == "least_loaded":
-        return min(candidates, key=lambda w: (
-            w.effective_queued_tokens(), w.running + w.waiting + w.pending_requests,
-            -w.effective_free_blocks(),
-        ))
+        return min(
+            candidates,
+            key=lambda w: (
+                w.effective_queued_tokens(),
+                w.running + w.waiting + w.pending_requests,
+                -w.effective_free_blocks(),
+            ),
+        )
     if policy == "round_robin":
         return candidates[counter % len(candidates)]
     if policy == "random":
@@ -106,10 +115,19 @@ _STUBS = {
 class WorkerPool:
     """One role's workers: discovery refresh, Load polling, picking."""
 
-    def __init__(self, role: str, discovery: Discovery, policy: str,
-                 poll_interval: float = 0.5, load_timeout: float = 2.0) -> None:
-        allowed = {"prefill": PREFILL_POLICIES, "decode": DECODE_POLICIES,
-                   "colocated": COLOCATED_POLICIES}[role]
+    def __init__(
+        self,
+        role: str,
+        discovery: Discovery,
+        policy: str,
+        poll_interval: float = 0.5,
+        load_timeout: float = 2.0,
+    ) -> None:
+        allowed = {
+            "prefill": PREFILL_POLICIES,
+            "decode": DECODE_POLICIES,
+            "colocated": COLOCATED_POLICIES,
+        }[role]
         if policy not in allowed:
             raise ValueError(f"{role} policy {policy!r} is not one of {', '.join(allowed)}")
         self.role = role
@@ -149,16 +167,16 @@ class WorkerPool:
             await self.workers.pop(gone).channel.close()
         for endpoint in endpoints - set(self.workers):
             channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-            self.workers[endpoint] = Worker(WorkerLoad(endpoint), channel,
-                                            _STUBS[self.role](channel))
+            self.workers[endpoint] = Worker(
+                WorkerLoad(endpoint), channel, _STUBS[self.role](channel)
+            )
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
         self._changed.set()
         self._changed = asyncio.Event()
 
     async def _poll(self, worker: Worker) -> None:
         try:
-            report = await worker.stub.Load(serving_pb2.LoadRequest(),
-                                            timeout=self._load_timeout)
+            report = await worker.stub.Load(serving_pb2.LoadRequest(), timeout=self._load_timeout)
         except grpc.aio.AioRpcError:
             worker.load.healthy = False
             return
@@ -177,8 +195,7 @@ class WorkerPool:
 
     def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
         self._counter += 1
-        load = choose([w.load for w in self.workers.values()], self.policy, exclude,
-                      self._counter)
+        load = choose([w.load for w in self.workers.values()], self.policy, exclude, self._counter)
         return None if load is None else self.workers[load.endpoint]
 
     def mark_failed(self, endpoint: str) -> None:
@@ -198,10 +215,13 @@ class WorkerPool:
     def snapshot(self) -> list[dict[str, Any]]:
         return [
             {
-                "endpoint": w.load.endpoint, "healthy": w.load.healthy,
-                "draining": w.load.draining, "queued_tokens": w.load.effective_queued_tokens(),
+                "endpoint": w.load.endpoint,
+                "healthy": w.load.healthy,
+                "draining": w.load.draining,
+                "queued_tokens": w.load.effective_queued_tokens(),
                 "free_blocks": w.load.effective_free_blocks(),
-                "total_blocks": w.load.total_blocks, "running": w.load.running,
+                "total_blocks": w.load.total_blocks,
+                "running": w.load.running,
                 "waiting": w.load.waiting,
             }
             for w in sorted(self.workers.values(), key=lambda w: w.load.endpoint)

@@ -1,0 +1,381 @@
+"""The router through the official `openai` client, unmodified, against real processes: one
+prefill worker, one decode worker and the router, talking real gRPC and HTTP. Greedy text must
+equal what one in-process engine generates for the same prompt; the error corpus must come back
+as OpenAI-style 4xx bodies naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 256  # the router and workers both run with this context limit
+MAX_REQUEST_BYTES = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, launch_module_worker: Any, worker_flags: Any) -> dict[str, Any]:
+    limit = ["--max-model-len", str(MAX_MODEL_LEN)]
+    prefill = launch_module_worker("prefill", worker_flags(tiny_model, *limit))
+    decode = launch_module_worker(
+        "decode", worker_flags(tiny_model, *limit, "--num-kv-blocks", "1024")
+    )
+    router = launch_module_worker(
+        "router",
+        [
+            "--model",
+            str(tiny_model),
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--prefill",
+            prefill.endpoint,
+            "--decode",
+            decode.endpoint,
+            *limit,
+            "--max-request-bytes",
+            str(MAX_REQUEST_BYTES),
+            "--model-name",
+            "tiny",
+        ],
+    )
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    return {"base": base, "prefill": prefill, "decode": decode, "router": router}
+
+
+def wait_ready(base: str) -> None:
+    """Until the router has polled a healthy worker in each pool (bounds a hang; not timed)."""
+    for _ in range(600):
+        try:
+            if httpx.get(base + "/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("router never became ready")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Any:
+    import torch
+    from splitserve_workers.engine import EngineConfig, LLMEngine
+
+    torch.set_num_threads(1)
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_model), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN
+        )
+    )
+
+
+def reference(engine: Any, prompt_ids: list[int], max_tokens: int) -> str:
+    """Greedy text of one in-process engine, cut at EOS like the router does."""
+    from splitserve_workers.engine import SamplingParams
+
+    out = engine.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    eos = set(engine.tokenizer.eos_token_ids)
+    ids = []
+    for t in out:
+        if t in eos:
+            break
+        ids.append(t)
+    return engine.tokenizer.decode(ids)
+
+
+def chat_ids(engine: Any, messages: list[dict[str, str]]) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+    )
+
+
+def client(stack: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=stack["base"] + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "Disaggregated serving splits prefill from decode because",
+    "1 2 3 4 5 6",
+    "KV caches move layer by layer",
+]
+
+
+def test_models_lists_the_served_model(stack: dict[str, Any]) -> None:
+    models = client(stack).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_streaming_completion_matches_engine(stack: dict[str, Any], engine: Any) -> None:
+    prompt = PROMPTS[0]
+    expected = reference(engine, engine.tokenizer.encode(prompt), 24)
+    stream = client(stack).completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text.append(choice.text)
+            finish = choice.finish_reason or finish
+    assert "".join(text) == expected
+    assert finish in ("length", "stop")
+    assert usage is not None
+    assert usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+    assert 1 <= usage.completion_tokens <= 24
+
+
+def test_streaming_chat_matches_engine(stack: dict[str, Any], engine: Any) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": PROMPTS[1]},
+    ]
+    expected = reference(engine, chat_ids(engine, messages), 20)
+    stream = client(stack).chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+    )
+    roles, text, finish = [], [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert roles == ["assistant"]
+    assert "".join(text) == expected
+    assert finish in ("length", "stop")
+
+
+def test_non_streaming_chat_and_completion(stack: dict[str, Any], engine: Any) -> None:
+    c = client(stack)
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == reference(engine, chat_ids(engine, messages), 12)
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(chat_ids(engine, messages))
+    comp = c.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=12, temperature=0)
+    assert comp.choices[0].text == reference(engine, engine.tokenizer.encode(PROMPTS[3]), 12)
+    # Token-id prompts work too and give the same answer.
+    ids = engine.tokenizer.encode(PROMPTS[3])
+    by_ids = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == comp.choices[0].text
+
+
+def test_stop_string_is_trimmed(stack: dict[str, Any], engine: Any) -> None:
+    prompt = PROMPTS[0]
+    full = reference(engine, engine.tokenizer.encode(prompt), 24)
+    # Stop at a piece of the greedy text we know comes: everything before it comes back.
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    if not stop.strip():
+        stop = full.strip()[-2:]
+    cut = full.index(stop)
+    comp = client(stack).completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert comp.choices[0].text == full[:cut]
+    assert comp.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(stack: dict[str, Any]) -> None:
+    c = client(stack)
+    kwargs: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": PROMPTS[1],
+        "max_tokens": 16,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 1234,
+    }
+    a = c.completions.create(**kwargs).choices[0].text
+    b = c.completions.create(**kwargs).choices[0].text
+    assert a == b
+
+
+async def test_64_concurrent_streaming_clients(stack: dict[str, Any], engine: Any) -> None:
+    expected = {p: reference(engine, engine.tokenizer.encode(p), 16) for p in PROMPTS}
+    aclient = openai.AsyncOpenAI(
+        base_url=stack["base"] + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=600,
+        http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=100)),
+    )
+
+    async def one(i: int) -> tuple[str, str, str | None]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        stream = await aclient.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
+        parts, finish = [], None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                parts.append(choice.text)
+                finish = choice.finish_reason or finish
+        return prompt, "".join(parts), finish
+
+    results = await asyncio.gather(*(one(i) for i in range(64)))
+    await aclient.close()
+    assert len(results) == 64
+    for prompt, text, finish in results:
+        assert finish in ("length", "stop")
+        assert text == expected[prompt], prompt
+
+
+def test_priority_passes_through(stack: dict[str, Any]) -> None:
+    c = client(stack)
+    r = c.completions.create(
+        model="tiny", prompt="x y z", max_tokens=4, extra_body={"priority": "background"}
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
+    r = httpx.post(
+        stack["base"] + "/v1/completions",
+        json={"prompt": "x y z", "max_tokens": 4},
+        headers={"x-splitserve-priority": "background"},
+        timeout=120,
+    )
+    assert r.status_code == 200
+
+
+# ---- the error corpus ---------------------------------------------------------------------
+
+
+def _post(
+    stack: dict[str, Any], path: str, content: bytes | str, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    return httpx.post(
+        stack["base"] + path,
+        content=content,
+        timeout=60,
+        headers={"content-type": "application/json", **(headers or {})},
+    )
+
+
+def _error(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", "{not json", 400, None),
+        ("/v1/completions", "[1, 2]", 400, None),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "whatever": 1}, 400, "whatever"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+        ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            400,
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+            400,
+            "stream",
+        ),
+    ],
+)
+def test_error_corpus(
+    stack: dict[str, Any], path: str, body: Any, status: int, param: str | None
+) -> None:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    r = _post(stack, path, raw)
+    assert r.status_code == status, r.text
+    err = _error(r)
+    assert err["param"] == param
+    if param:
+        assert param.split("[")[0] in err["message"]
+
+
+def test_too_long_prompt_names_the_limit(stack: dict[str, Any]) -> None:
+    r = _post(stack, "/v1/completions", json.dumps({"prompt": "word " * 400}))
+    assert r.status_code == 400
+    err = _error(r)
+    assert err["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in err["message"] and err["param"] == "prompt"
+    r = _post(stack, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 10_000}))
+    assert r.status_code == 400 and _error(r)["param"] == "max_tokens"
+
+
+def test_oversized_body_is_413(stack: dict[str, Any]) -> None:
+    big = json.dumps({"prompt": "x" * (MAX_REQUEST_BYTES + 10)})
+    r = _post(stack, "/v1/completions", big)
+    assert r.status_code == 413
+    assert _error(r)["code"] == "request_too_large"
+
+
+def test_openai_client_raises_bad_request(stack: dict[str, Any]) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client(stack).completions.create(model="tiny", prompt="hi", max_tokens=0)
+    assert "max_tokens" in str(info.value)
+
+
+def test_edge_metrics_have_ttft_and_stage_split(stack: dict[str, Any]) -> None:
+    client(stack).completions.create(model="tiny", prompt="metrics please", max_tokens=4)
+    assert _post(stack, "/v1/completions", "{").status_code == 400
+    text = httpx.get(stack["base"] + "/metrics", timeout=30).text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {
+        s.name + json.dumps(s.labels, sort_keys=True): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            v
+            for k, v in values.items()
+            if k.startswith(name + "{") and all(f'"{a}": "{b}"' in k for a, b in labels.items())
+        )
+
+    for name in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "prefill_queue_seconds",
+        "prefill_compute_seconds",
+        "kv_transfer_seconds",
+        "decode_admission_seconds",
+    ):
+        assert total(f"splitserve_{name}_count") >= 1, name
+    assert total("splitserve_kv_transfer_bytes_total") > 0
+    assert total("splitserve_requests_total", status="ok") >= 1
+    assert total("splitserve_requests_total", status="rejected") >= 1
+    assert total("splitserve_prompt_tokens_total") > 0
+    assert total("splitserve_generation_tokens_total") > 0
