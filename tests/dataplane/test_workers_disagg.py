@@ -133,9 +133,11 @@ async def test_reserve_refuses_when_full_and_incompatible(
     assert (await stub.Abort(pb.AbortRequest(request_id="a"))).found
     assert (await dataplane.load(decode.endpoint)).free_blocks == 4
     metrics = fetch(decode.metrics_port, "/metrics")
-    labels = 'service="local",pool="decode",model="tiny-llama"'
     for reason in ("no_free_blocks", "incompatible"):
-        line = f'splitserve_requests_rejected_total{{{labels},reason="{reason}"}} 1.0'
+        line = (
+            'splitserve_requests_rejected_total{model="tiny-llama",pool="decode",'
+            f'reason="{reason}",service="local"}} 1.0'
+        )
         assert line in metrics, line
 
 
