@@ -52,17 +52,14 @@ class Operator:
             self._monitoring = (time.monotonic(), found)
         return found
 
-    def reconcile(
-        self, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | kopf.Logger, why: str
-    ) -> None:
-        meta, status = body.meta, body.status
+    def reconcile(self, body: kopf.Body, logger: logging.Logger | kopf.Logger, why: str) -> None:
+        meta = body.meta
         name, namespace = meta["name"], meta["namespace"]
         generation = int(meta.get("generation") or 0)
-        previous = list(status.get("conditions") or [])
         try:
             spec = parse_spec(dict(body.spec))
         except SpecError as e:
-            patch.status.update(invalid_status(str(e), generation, previous, now_rfc3339()))
+            self.write_status(namespace, name, invalid=str(e))
             kopf.warn(body, reason="InvalidSpec", message=str(e))
             raise kopf.PermanentError(str(e)) from e
         objects = desired_children(
@@ -71,20 +68,7 @@ class Operator:
         try:
             outcome = apply_children(self.kube, objects, spec.autoscaling_mode)
         except KubeError as e:
-            observed = int(status.get("observedGeneration") or 0)
-            patch.status.update(
-                compute_status(
-                    service=name,
-                    namespace=namespace,
-                    spec=spec,
-                    generation=generation,
-                    observed_generation=observed,
-                    deployments={},
-                    previous_conditions=previous,
-                    now=now_rfc3339(),
-                    error=str(e),
-                )
-            )
+            self.write_status(namespace, name, error=str(e))
             kopf.warn(body, reason="ApplyFailed", message=str(e))
             raise kopf.TemporaryError(str(e), delay=10) from e
         if outcome.created:
@@ -97,47 +81,64 @@ class Operator:
             logger.info(
                 f"{why}: created {len(outcome.created)}, updated {len(outcome.updated)} children"
             )
-        patch.status.update(
-            compute_status(
-                service=name,
-                namespace=namespace,
-                spec=spec,
-                generation=generation,
-                observed_generation=generation,
-                deployments=outcome.deployments,
-                previous_conditions=previous,
-                now=now_rfc3339(),
-            )
-        )
+        self.write_status(namespace, name, applied_generation=generation)
 
-    def refresh_status(self, namespace: str, service: str) -> None:
-        """Recompute status from the live Deployments (on a Deployment change)."""
+    def write_status(
+        self,
+        namespace: str,
+        service: str,
+        applied_generation: int | None = None,
+        error: str | None = None,
+        invalid: str | None = None,
+    ) -> None:
+        """Recompute status from freshly read Deployments and write it, conditional on the
+        LLMService's resourceVersion: writers (reconcile, the Deployment watch) race, and a
+        conflict means someone wrote in between, so read again rather than overwrite newer
+        state with older. applied_generation: the generation whose children were just applied
+        (None keeps status.observedGeneration)."""
         ref = Ref(f"{GROUP}/{VERSION}", "LLMService", namespace, service)
-        body = self.kube.get(ref)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return
-        try:
-            spec: Spec = parse_spec(body.get("spec"))
-        except SpecError:
-            return  # the reconcile handler reports invalid specs
-        status = body.get("status") or {}
-        deployments: dict[str, dict[str, Any] | None] = {}
-        for pool in POOLS:
-            deployments[pool] = self.kube.get(
-                Ref("apps/v1", "Deployment", namespace, child_name(service, pool))
-            )
-        fresh = compute_status(
-            service=service,
-            namespace=namespace,
-            spec=spec,
-            generation=int(body["metadata"].get("generation") or 0),
-            observed_generation=int(status.get("observedGeneration") or 0),
-            deployments=deployments,
-            previous_conditions=status.get("conditions"),
-            now=now_rfc3339(),
-        )
-        if any(status.get(k) != v for k, v in fresh.items()):
-            self.kube.patch_status(ref, fresh)
+        for _ in range(5):
+            body = self.kube.get(ref)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            meta, status = body["metadata"], body.get("status") or {}
+            generation = int(meta.get("generation") or 0)
+            previous = status.get("conditions")
+            if invalid is not None:
+                fresh = invalid_status(invalid, generation, previous, now_rfc3339())
+            else:
+                try:
+                    spec: Spec = parse_spec(body.get("spec"))
+                except SpecError:
+                    return  # the reconcile handler reports invalid specs
+                observed = int(status.get("observedGeneration") or 0)
+                if applied_generation is not None and error is None:
+                    observed = max(observed, applied_generation)
+                deployments = {
+                    pool: self.kube.get(
+                        Ref("apps/v1", "Deployment", namespace, child_name(service, pool))
+                    )
+                    for pool in POOLS
+                }
+                fresh = compute_status(
+                    service=service,
+                    namespace=namespace,
+                    spec=spec,
+                    generation=generation,
+                    observed_generation=observed,
+                    deployments=deployments,
+                    previous_conditions=previous,
+                    now=now_rfc3339(),
+                    error=error,
+                )
+            if all(status.get(k) == v for k, v in fresh.items()):
+                return
+            try:
+                self.kube.patch_status(ref, fresh, resource_version=meta["resourceVersion"])
+                return
+            except KubeError as e:
+                if e.status != 409:
+                    raise
 
 
 def owner_service(body: kopf.Body) -> str | None:
@@ -150,11 +151,11 @@ def owner_service(body: kopf.Body) -> str | None:
 def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
     """Attach every handler to `registry`; the resync interval comes from the settings."""
 
-    def on_change(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-        operator.reconcile(body, patch, logger, why="change")
+    def on_change(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        operator.reconcile(body, logger, why="change")
 
-    def on_resync(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-        operator.reconcile(body, patch, logger, why="resync")
+    def on_resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        operator.reconcile(body, logger, why="resync")
 
     def on_delete(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         # Children carry owner references: the garbage collector deletes them.
@@ -163,7 +164,7 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
     def on_deployment(body: kopf.Body, namespace: str | None, **_: Any) -> None:
         service = owner_service(body)
         if service and namespace:
-            operator.refresh_status(namespace, service)
+            operator.write_status(namespace, service)
 
     resource = (GROUP, VERSION, PLURAL)
     kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_change)

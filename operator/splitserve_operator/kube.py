@@ -118,12 +118,16 @@ class Kube:
             content_type="application/apply-patch+yaml",
         )
 
-    def patch_status(self, ref: Ref, status: dict[str, Any]) -> dict[str, Any]:
+    def patch_status(
+        self, ref: Ref, status: dict[str, Any], resource_version: str | None = None
+    ) -> dict[str, Any]:
+        """Merge-patch .status; with resource_version the server refuses (409) if the object
+        changed since it was read."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         return self.request(  # type: ignore[no-any-return]
-            "PATCH",
-            ref.path("status"),
-            body={"status": status},
-            content_type="application/merge-patch+json",
+            "PATCH", ref.path("status"), body=body, content_type="application/merge-patch+json"
         )
 
     def serves(self, group_version: str, plurals: tuple[str, ...]) -> bool:
