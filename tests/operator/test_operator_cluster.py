@@ -38,7 +38,8 @@ def llms(cp: Any, namespace: str, name: str) -> dict[str, Any] | None:
 def wait_ready(cp: Any, namespace: str, name: str, timeout: float = 180.0) -> dict[str, Any]:
     return wait_until(
         lambda: (obj := llms(cp, namespace, name)) and is_ready(obj) and obj,
-        f"LLMService {namespace}/{name} Ready", timeout,
+        f"LLMService {namespace}/{name} Ready",
+        timeout,
     )
 
 
@@ -75,13 +76,16 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
     kinds = "deployments,services,configmaps,poddisruptionbudgets,servicemonitors,podmonitors"
     children = get_json(cp, "-n", namespace, kinds, "-l", "app.kubernetes.io/instance=tiny")
     names = sorted((c["kind"], c["metadata"]["name"]) for c in children["items"])
-    assert names == sorted([
-        ("ConfigMap", "tiny-config"), ("PodMonitor", "tiny-workers"),
-        *[("Deployment", f"tiny-{p}") for p in POOLS],
-        *[("PodDisruptionBudget", f"tiny-{p}") for p in POOLS],
-        *[("Service", f"tiny-{p}") for p in POOLS],
-        ("ServiceMonitor", "tiny-router"),
-    ])
+    assert names == sorted(
+        [
+            ("ConfigMap", "tiny-config"),
+            ("PodMonitor", "tiny-workers"),
+            *[("Deployment", f"tiny-{p}") for p in POOLS],
+            *[("PodDisruptionBudget", f"tiny-{p}") for p in POOLS],
+            *[("Service", f"tiny-{p}") for p in POOLS],
+            ("ServiceMonitor", "tiny-router"),
+        ]
+    )
     for child in children["items"]:
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner["uid"] == uid and owner["controller"] is True
@@ -101,8 +105,14 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
         assert pod["status"]["phase"] == "Running" and ready.get("Ready") == "True"
         assert pod["spec"]["nodeName"].startswith("kwok-node-")
 
-    events = get_json(cp, "-n", namespace, "events", "--field-selector",
-                      "involvedObject.kind=LLMService,involvedObject.name=tiny")
+    events = get_json(
+        cp,
+        "-n",
+        namespace,
+        "events",
+        "--field-selector",
+        "involvedObject.kind=LLMService,involvedObject.name=tiny",
+    )
     assert "Created" in {e["reason"] for e in events["items"]}
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.port}/healthz") as r:
         assert r.status == 200
@@ -150,8 +160,16 @@ def test_updates_roll_out_and_delete_collects_children(
 
     cp.kubectl("delete", "-n", namespace, "llmservice", "tiny", "--wait=true")
     wait_until(
-        lambda: not get_json(cp, "-n", namespace, "deployments,services,configmaps",
-                             "-l", "app.kubernetes.io/instance=tiny")["items"],
+        lambda: (
+            not get_json(
+                cp,
+                "-n",
+                namespace,
+                "deployments,services,configmaps",
+                "-l",
+                "app.kubernetes.io/instance=tiny",
+            )["items"]
+        ),
         "children garbage-collected",
     )
 
@@ -165,21 +183,33 @@ def test_drift_is_repaired(control_plane: Any, operator: OperatorProcess, namesp
     cp.kubectl("set", "image", "-n", namespace, "deployment/tiny-decode", "decode=evil:1")
     cp.kubectl("scale", "-n", namespace, "deployment/tiny-router", "--replicas=4")
     wait_until(
-        lambda: (svc := get_json(cp, "-n", namespace, "service", "tiny-prefill"))
-        and svc["metadata"]["uid"] != old_uid,
+        lambda: (
+            (svc := get_json(cp, "-n", namespace, "service", "tiny-prefill"))
+            and svc["metadata"]["uid"] != old_uid
+        ),
         "deleted Service recreated",
     )
     wait_until(
-        lambda: deployment(cp, namespace, "tiny-decode")["spec"]["template"]["spec"][  # type: ignore
-            "containers"][0]["image"] == "splitserve/worker:dev",
+        lambda: (
+            deployment(cp, namespace, "tiny-decode")["spec"]["template"]["spec"][  # type: ignore
+                "containers"
+            ][0]["image"]
+            == "splitserve/worker:dev"
+        ),
         "hand-edited image restored",
     )
     wait_until(
         lambda: deployment(cp, namespace, "tiny-router")["spec"]["replicas"] == 1,  # type: ignore
         "replicas restored in mode Off",
     )
-    events = get_json(cp, "-n", namespace, "events", "--field-selector",
-                      "involvedObject.kind=LLMService,involvedObject.name=tiny")
+    events = get_json(
+        cp,
+        "-n",
+        namespace,
+        "events",
+        "--field-selector",
+        "involvedObject.kind=LLMService,involvedObject.name=tiny",
+    )
     assert "DriftRepaired" in {e["reason"] for e in events["items"]}
     wait_ready(cp, namespace, "tiny")
 
@@ -201,9 +231,11 @@ def test_hpa_mode_leaves_replicas_to_the_autoscaler(
     obj["spec"]["image"] = "splitserve/worker:v3"
     apply(cp, namespace, obj)
     wait_until(
-        lambda: (d := deployment(cp, namespace, "tiny-decode"))
-        and d["spec"]["template"]["spec"]["containers"][0]["image"] == "splitserve/worker:v3"
-        and d,
+        lambda: (
+            (d := deployment(cp, namespace, "tiny-decode"))
+            and d["spec"]["template"]["spec"]["containers"][0]["image"] == "splitserve/worker:v3"
+            and d
+        ),
         "image rolled out",
     )
     ready = wait_ready(cp, namespace, "tiny")
@@ -222,8 +254,14 @@ def test_restart_mid_reconcile_converges_without_duplicates(
     # Kill the operator as soon as it has started creating children: some services are half
     # built, some not started.
     wait_until(
-        lambda: get_json(cp, "-n", namespace, "configmaps", "-l",
-                         "app.kubernetes.io/managed-by=splitserve-operator")["items"],
+        lambda: get_json(
+            cp,
+            "-n",
+            namespace,
+            "configmaps",
+            "-l",
+            "app.kubernetes.io/managed-by=splitserve-operator",
+        )["items"],
         "first child created",
     )
     operator.stop(signal.SIGKILL)
@@ -240,12 +278,16 @@ def test_restart_mid_reconcile_converges_without_duplicates(
 
 INVALID: list[tuple[str, Any, str]] = [
     ("negative replicas", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
-    ("min above max", {"decode": {"replicas": 2, "autoscaling": {"minReplicas": 4,
-                                                                 "maxReplicas": 2}}},
-     "spec.decode"),
-    ("replicas outside bounds", {"decode": {"replicas": 9, "autoscaling": {"minReplicas": 1,
-                                                                           "maxReplicas": 4}}},
-     "spec.decode"),
+    (
+        "min above max",
+        {"decode": {"replicas": 2, "autoscaling": {"minReplicas": 4, "maxReplicas": 2}}},
+        "spec.decode",
+    ),
+    (
+        "replicas outside bounds",
+        {"decode": {"replicas": 9, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}},
+        "spec.decode",
+    ),
     ("bad duration", {"slo": {"ttft": "fast"}}, "spec.slo.ttft"),
     ("zero duration", {"slo": {"tpot": "0s"}}, "spec.slo.tpot"),
     ("percentile 150", {"slo": {"percentile": 150}}, "spec.slo.percentile"),
@@ -254,8 +296,17 @@ INVALID: list[tuple[str, Any, str]] = [
     ("missing pool", {"prefill": None}, "spec.prefill"),
     ("bad autoscaling mode", {"autoscaling": {"mode": "Sometimes"}}, "spec.autoscaling.mode"),
     ("HPA without bounds", {"autoscaling": {"mode": "HPA"}}, "spec"),
-    ("two volume sources", {"model": {"name": "m", "path": "/models/m", "volume": {
-        "hostPath": {"path": "/a"}, "nfs": {"server": "s", "path": "/b"}}}}, "spec.model.volume"),
+    (
+        "two volume sources",
+        {
+            "model": {
+                "name": "m",
+                "path": "/models/m",
+                "volume": {"hostPath": {"path": "/a"}, "nfs": {"server": "s", "path": "/b"}},
+            }
+        },
+        "spec.model.volume",
+    ),
 ]
 
 
@@ -273,8 +324,14 @@ def test_invalid_llmservices_are_rejected_naming_the_field(
         else:
             obj["spec"][key] = value
     proc = control_plane.kubectl(
-        "create", "-n", namespace, "--validate=false", "-f", "-",
-        input=yaml.safe_dump(obj), check=False,
+        "create",
+        "-n",
+        namespace,
+        "--validate=false",
+        "-f",
+        "-",
+        input=yaml.safe_dump(obj),
+        check=False,
     )
     assert proc.returncode != 0, f"{case}: accepted\n{proc.stdout}"
     assert field in proc.stderr, proc.stderr
@@ -283,16 +340,24 @@ def test_invalid_llmservices_are_rejected_naming_the_field(
 
 def test_crd_defaults_and_printer_columns(control_plane: Any, namespace: str) -> None:
     minimal = {
-        "apiVersion": "splitserve.io/v1alpha1", "kind": "LLMService",
+        "apiVersion": "splitserve.io/v1alpha1",
+        "kind": "LLMService",
         "metadata": {"name": "minimal"},
         "spec": {"model": {"name": "m", "path": "/models/m"}, "prefill": {}, "decode": {}},
     }
     apply(control_plane, namespace, minimal)
     spec = llms(control_plane, namespace, "minimal")["spec"]  # type: ignore[index]
-    assert spec["router"] == {"replicas": 1, "port": 8000, "serviceType": "ClusterIP",
-                              "topologySpread": {"enabled": True, "maxSkew": 1,
-                                                 "topologyKey": "kubernetes.io/hostname",
-                                                 "whenUnsatisfiable": "ScheduleAnyway"}}
+    assert spec["router"] == {
+        "replicas": 1,
+        "port": 8000,
+        "serviceType": "ClusterIP",
+        "topologySpread": {
+            "enabled": True,
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+        },
+    }
     assert spec["slo"] == {"ttft": "500ms", "tpot": "50ms", "percentile": 95}
     assert spec["autoscaling"]["mode"] == "Off"
     assert spec["decode"]["maxBatchSize"] == 128
@@ -309,21 +374,27 @@ def test_fifty_services_in_five_namespaces(
     try:
         docs = []
         for i in range(50):
-            docs.append({
-                "apiVersion": "splitserve.io/v1alpha1", "kind": "LLMService",
-                "metadata": {"name": f"svc-{i}", "namespace": namespaces[i % 5]},
-                "spec": {"model": {"name": "m", "path": "/models/m"}, "prefill": {},
-                         "decode": {}},
-            })
+            docs.append(
+                {
+                    "apiVersion": "splitserve.io/v1alpha1",
+                    "kind": "LLMService",
+                    "metadata": {"name": f"svc-{i}", "namespace": namespaces[i % 5]},
+                    "spec": {
+                        "model": {"name": "m", "path": "/models/m"},
+                        "prefill": {},
+                        "decode": {},
+                    },
+                }
+            )
         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
         for doc in docs:
             wait_ready(cp, doc["metadata"]["namespace"], doc["metadata"]["name"], timeout=600)
-        all_deps = get_json(cp, "deployments", "-A", "-l",
-                            "app.kubernetes.io/managed-by=splitserve-operator")["items"]
+        all_deps = get_json(
+            cp, "deployments", "-A", "-l", "app.kubernetes.io/managed-by=splitserve-operator"
+        )["items"]
         ours = [d for d in all_deps if d["metadata"]["namespace"] in namespaces]
         assert len(ours) == 150
     finally:
         for ns in namespaces:
             cp.kubectl("delete", "llmservices", "--all", "-n", ns, "--wait=true", check=False)
             cp.delete_namespace(ns)
-

@@ -47,7 +47,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [splitserve.io]
   resources: [llmservices/status]
   verbs: [get, patch]
-# Owner references with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement runs.
+# Owner references with blockOwnerDeletion need it (OwnerReferencesPermissionEnforcement).
 - apiGroups: [splitserve.io]
   resources: [llmservices/finalizers]
   verbs: [update]

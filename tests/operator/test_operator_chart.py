@@ -1,0 +1,201 @@
+"""The Helm chart rendered by the real helm binary: lint, the main value combinations, RBAC
+without wildcards that still covers every kind the operator writes, the CRD copies, and
+manifests/ kept equal to the chart's output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from operator_process import CHART, REPO_ROOT
+from splitserve_operator.kube import PLURALS
+
+sys.path.insert(0, str(REPO_ROOT / "hack" / "testplane"))
+import plane  # noqa: E402
+
+RELEASE_NS = "splitserve-system"
+MANIFEST_ARGS = ["splitserve", str(CHART), "-n", RELEASE_NS, "--set", "watch.allNamespaces=true"]
+REGENERATE = (
+    "helm template splitserve charts/splitserve -n splitserve-system "
+    "--set watch.allNamespaces=true > manifests/operator.yaml"
+)
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    return plane.build() / "helm"
+
+
+def run_helm(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, check=check)
+
+
+def render(helm: Path, *sets: str, namespace: str = RELEASE_NS) -> list[dict[str, Any]]:
+    args = [a for s in sets for a in ("--set", s)]
+    out = run_helm(helm, "template", "rel", str(CHART), "-n", namespace, *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def operator_args(docs: list[dict[str, Any]]) -> list[str]:
+    (dep,) = by_kind(docs, "Deployment")
+    return dep["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[no-any-return]
+
+
+def test_helm_lint_strict(helm: Path) -> None:
+    proc = run_helm(helm, "lint", "--strict", str(CHART), check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_helm(helm, "lint", "--strict", str(CHART), "--set", "watch.allNamespaces=true",
+                    "--set", "grafanaDashboard.enabled=true", check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_default_is_namespaced_to_the_release_namespace(helm: Path) -> None:
+    docs = render(helm)
+    args = operator_args(docs)
+    assert f"--namespace={RELEASE_NS}" in args and "--all-namespaces" not in args
+    assert "--peering=splitserve" in args and "--standalone" not in args
+    assert "--liveness=http://0.0.0.0:8080/healthz" in args
+    assert "--worker-image=splitserve/worker:dev" in args
+    (role,) = by_kind(docs, "Role")
+    assert role["metadata"]["namespace"] == RELEASE_NS
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["subjects"][0]["name"] == "rel-splitserve"
+    (cluster_role,) = by_kind(docs, "ClusterRole")
+    assert {g for r in cluster_role["rules"] for g in r["apiGroups"]} == {"apiextensions.k8s.io"}
+    (peering,) = by_kind(docs, "KopfPeering")
+    assert peering["metadata"] == {**peering["metadata"], "name": "splitserve",
+                                   "namespace": RELEASE_NS}  # fmt: skip
+    assert not by_kind(docs, "ClusterKopfPeering")
+    (sa,) = by_kind(docs, "ServiceAccount")
+    assert sa["metadata"]["name"] == "rel-splitserve"
+
+
+def test_listed_namespaces_get_a_role_and_peering_each(helm: Path) -> None:
+    docs = render(helm, "watch.namespaces={team-a,team-b}")
+    assert [a for a in operator_args(docs) if a.startswith("--namespace")] == [
+        "--namespace=team-a", "--namespace=team-b"]  # fmt: skip
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == [
+        "team-a", "team-b"]  # fmt: skip
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(docs, "KopfPeering")) == [
+        "team-a", "team-b"]  # fmt: skip
+
+
+def test_all_namespaces_uses_cluster_scoped_rbac_and_peering(helm: Path) -> None:
+    docs = render(helm, "watch.allNamespaces=true")
+    assert "--all-namespaces" in operator_args(docs)
+    assert not by_kind(docs, "Role") and not by_kind(docs, "KopfPeering")
+    (peering,) = by_kind(docs, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "splitserve"
+    (role,) = by_kind(docs, "ClusterRole")
+    resources = {res for r in role["rules"] for res in r["resources"]}
+    assert {"llmservices", "namespaces", "clusterkopfpeerings", "deployments"} <= resources
+
+
+def test_peering_off_runs_standalone(helm: Path) -> None:
+    docs = render(helm, "peering.enabled=false")
+    assert "--standalone" in operator_args(docs)
+    assert not by_kind(docs, "KopfPeering") and not by_kind(docs, "ClusterKopfPeering")
+
+
+@pytest.mark.parametrize("sets", [(), ("watch.allNamespaces=true",)])
+def test_rbac_has_no_wildcards_and_covers_what_the_operator_writes(
+    helm: Path, sets: tuple[str, ...]
+) -> None:
+    docs = render(helm, *sets)
+    rules = [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+    for rule in rules:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert "*" not in rule["apiGroups"]
+
+    def allowed(group: str, resource: str) -> set[str]:
+        return {v for r in rules if group in r["apiGroups"] and resource in r["resources"]
+                for v in r["verbs"]}  # fmt: skip
+
+    for (api_version, _kind), plural in PLURALS.items():
+        group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+        verbs = allowed(group, plural)
+        needed = {"get", "patch"} if plural == "llmservices" else {"get", "create", "patch"}
+        assert needed <= verbs, f"{group}/{plural}: has {sorted(verbs)}"
+    assert {"list", "watch"} <= allowed("splitserve.io", "llmservices")
+    assert {"list", "watch"} <= allowed("apps", "deployments")  # the status watch
+    assert "patch" in allowed("splitserve.io", "llmservices/status")
+    assert "create" in allowed("", "events")
+    assert not any("delete" in r["verbs"] for r in rules)
+
+
+def test_operator_pod_is_hardened(helm: Path) -> None:
+    (dep,) = by_kind(render(helm), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_optional_dashboard_and_scrape_config(helm: Path) -> None:
+    assert not by_kind(render(helm), "ConfigMap")
+    docs = render(helm, "grafanaDashboard.enabled=true", "prometheusScrapeConfig.enabled=true")
+    maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
+    dashboard = maps["rel-splitserve-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    panels = json.loads(dashboard["data"]["splitserve.json"])["panels"]
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    assert "splitserve_time_to_first_token_seconds_bucket" in exprs
+    assert "splitserve_time_per_output_token_seconds_bucket" in exprs
+    scrape = yaml.safe_load(maps["rel-splitserve-scrape-config"]["data"]["scrape-config.yaml"])
+    assert scrape["scrape_configs"][0]["job_name"] == "splitserve"
+
+
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [
+        ("watch.everything=true", "everything"),
+        ("replicaCount=-1", "replicaCount"),
+        ("monitoring=always", "monitoring"),
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+    ],
+)
+def test_values_schema_rejects_bad_values(helm: Path, value: str, complaint: str) -> None:
+    proc = run_helm(helm, "template", "rel", str(CHART), "--set", value, check=False)
+    assert proc.returncode != 0
+    assert complaint in proc.stderr
+
+
+def test_chart_crds_are_the_source_of_truth(helm: Path) -> None:
+    out = run_helm(helm, "show", "crds", str(CHART)).stdout
+    names = {d["metadata"]["name"] for d in yaml.safe_load_all(out) if d}
+    assert names == {"llmservices.splitserve.io", "kopfpeerings.kopf.dev",
+                     "clusterkopfpeerings.kopf.dev"}  # fmt: skip
+    proc = subprocess.run(["bash", str(REPO_ROOT / "hack" / "sync-crd.sh"), "--check"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_manifests_match_the_chart_and_build_with_kustomize(helm: Path) -> None:
+    rendered = run_helm(helm, "template", *MANIFEST_ARGS).stdout
+    committed = (REPO_ROOT / "manifests" / "operator.yaml").read_text()
+    assert committed == rendered, f"manifests/operator.yaml is stale; run: {REGENERATE}"
+    kubectl = helm.parent / "kubectl"
+    out = subprocess.run([str(kubectl), "kustomize", str(REPO_ROOT / "manifests")],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    kinds = sorted({d["kind"] for d in yaml.safe_load_all(out) if d})
+    assert kinds == sorted(["CustomResourceDefinition", "Namespace", "ServiceAccount",
+                            "ClusterRole", "ClusterRoleBinding", "Deployment",
+                            "ClusterKopfPeering"])  # fmt: skip
+    crd = next(d for d in yaml.safe_load_all(out)
+               if d and d["metadata"]["name"] == "llmservices.splitserve.io")  # fmt: skip
+    source = yaml.safe_load((REPO_ROOT / "operator" / "splitserve_operator" / "crd" /
+                             "llmservices.splitserve.io.yaml").read_text())  # fmt: skip
+    assert crd["spec"] == source["spec"]  # anchors expanded identically
