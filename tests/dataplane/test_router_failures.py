@@ -1,0 +1,234 @@
+"""What the router does when things go wrong, with real processes: a client that hangs up
+mid-stream gets its request aborted on both pools (every KV block comes back), a prefill worker
+that is dead before the first token is replaced by another, a decode worker killed mid-stream
+ends the client's SSE stream with an error event instead of a hang; and a colocated pool is
+served through the same API."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from splitserve_workers.proto import serving_pb2 as pb
+from splitserve_workers.proto import serving_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+# Bounds on waits so a broken build fails instead of hanging; nothing here measures speed.
+WAIT_S = 60.0
+
+
+def router_args(model: Path, *extra: str) -> list[str]:
+    return [
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--model-name",
+        "tiny",
+        *extra,
+    ]
+
+
+def wait_ready(base: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("router never became ready")
+
+
+def load(endpoint: str, role: str) -> pb.LoadReport:
+    stub_type = {
+        "prefill": pb_grpc.PrefillServiceStub,
+        "decode": pb_grpc.DecodeServiceStub,
+        "colocated": pb_grpc.ColocatedServiceStub,
+    }[role]
+    with grpc.insecure_channel(endpoint) as channel:
+        return stub_type(channel).Load(pb.LoadRequest(), timeout=10)
+
+
+def sse_events(response: httpx.Response) -> Any:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def test_client_disconnect_aborts_on_both_pools(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "64"))
+    router = launch_worker(
+        "router",
+        router_args(tiny_model, "--prefill", prefill.endpoint, "--decode", decode.endpoint),
+    )
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    initial = {
+        "prefill": load(prefill.endpoint, "prefill").free_blocks,
+        "decode": load(decode.endpoint, "decode").free_blocks,
+    }
+    assert initial["decode"] == 64
+
+    body = {
+        "model": "tiny",
+        "prompt": "a long story begins " * 8,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    got = 0
+    with (
+        httpx.Client(timeout=WAIT_S) as client,
+        client.stream("POST", base + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for event in sse_events(r):
+            assert event != "[DONE]"
+            got += 1
+            if got == 3:
+                # Mid-generation the decode worker holds this request's blocks.
+                assert load(decode.endpoint, "decode").free_blocks < initial["decode"]
+                break  # leaving the block closes the connection: the client is gone
+    deadline = time.monotonic() + WAIT_S
+    free = {}
+    while time.monotonic() < deadline:
+        free = {
+            "prefill": load(prefill.endpoint, "prefill").free_blocks,
+            "decode": load(decode.endpoint, "decode").free_blocks,
+        }
+        if free == initial and load(decode.endpoint, "decode").running == 0:
+            break
+        time.sleep(0.1)
+    assert free == initial
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    assert 'status="abort"' in metrics
+    # The pools still serve.
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": "again", "max_tokens": 4}, timeout=WAIT_S
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_dead_prefill_worker_is_retried_on_another(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    prefills = [launch_worker("prefill", worker_flags(tiny_model)) for _ in range(2)]
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "128"))
+    # Slow polling: the router keeps believing the killed worker is healthy, so the request
+    # really goes to the dead one first (as it would between two polls in production).
+    router = launch_worker(
+        "router",
+        router_args(
+            tiny_model,
+            "--prefill",
+            ",".join(p.endpoint for p in prefills),
+            "--decode",
+            decode.endpoint,
+            "--poll-interval",
+            "600",
+        ),
+    )
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    initial = load(decode.endpoint, "decode").free_blocks
+    # Both report zero queued tokens; ties go to the lowest endpoint name: kill that one.
+    victim = min(prefills, key=lambda p: p.endpoint)
+    survivor = max(prefills, key=lambda p: p.endpoint)
+    victim.kill()
+
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+    stream = c.completions.create(
+        model="tiny", prompt="retry me please", max_tokens=8, temperature=0, stream=True
+    )
+    text = "".join(ch.choices[0].text for ch in stream if ch.choices)
+    plain = c.completions.create(
+        model="tiny", prompt="retry me please", max_tokens=8, temperature=0
+    )
+    assert text == plain.choices[0].text  # same greedy answer, served by the survivor
+
+    workers = httpx.get(base + "/debug/workers", timeout=10).json()
+    health = {w["endpoint"]: w["healthy"] for w in workers["prefill"]}
+    assert health == {victim.endpoint: False, survivor.endpoint: True}
+    # The failed attempt's reservation was released: blocks are back on the decode worker.
+    deadline = time.monotonic() + WAIT_S
+    while load(decode.endpoint, "decode").free_blocks != initial and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert load(decode.endpoint, "decode").free_blocks == initial
+
+
+def test_decode_killed_mid_stream_ends_with_error_event(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    prefill = launch_worker("prefill", worker_flags(tiny_model))
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "128"))
+    router = launch_worker(
+        "router",
+        router_args(tiny_model, "--prefill", prefill.endpoint, "--decode", decode.endpoint),
+    )
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    body = {
+        "model": "tiny",
+        "prompt": "tell me everything",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events: list[Any] = []
+    killed_at = 0.0
+    ended_at = 0.0
+    # The read timeout turns a hang into a failure; the stream must end by itself long before.
+    with (
+        httpx.Client(timeout=httpx.Timeout(WAIT_S, read=20.0)) as client,
+        client.stream("POST", base + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for event in sse_events(r):
+            events.append(event)
+            if len(events) == 3:
+                decode.kill()
+                killed_at = time.monotonic()
+        ended_at = time.monotonic()
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1, events[-3:]
+    assert "decode worker" in errors[0]["error"]["message"]
+    assert events[-1] == "[DONE]"
+    assert len(events) < 200  # it did not somehow finish the generation
+    print(f"stream ended {ended_at - killed_at:.3f}s after the decode worker was killed")
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    assert 'status="error"' in metrics
+
+
+def test_colocated_pool_behind_the_same_api(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    colocated = launch_worker("colocated", worker_flags(tiny_model, "--num-kv-blocks", "128"))
+    router = launch_worker("router", router_args(tiny_model, "--colocated", colocated.endpoint))
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+    messages = [{"role": "user", "content": "hello colocated"}]
+    stream = c.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    whole = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert streamed == whole.choices[0].message.content
+    assert whole.usage is not None and whole.usage.completion_tokens >= 1
+    text = httpx.get(base + "/metrics", timeout=10).text
+    assert "splitserve_time_to_first_token_seconds_count" in text
