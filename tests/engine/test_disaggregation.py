@@ -1,0 +1,178 @@
+"""Prefill on engine A (prefill_only + on_kv streaming, or export_kv), KV imported into reserved
+blocks on engine B, decode on B: the same tokens as one engine doing both (in-process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from splitserve_workers.engine import LLMEngine, SamplingParams, TokenOutput
+
+
+class KVCollector:
+    """on_kv target: keeps copies and checks every prompt token arrives once per layer."""
+
+    def __init__(self, num_layers: int, num_tokens: int) -> None:
+        self.chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.covered = torch.zeros(num_layers, num_tokens, dtype=torch.int32)
+
+    def __call__(self, rid: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert k.shape == v.shape and k.dim() == 3
+        self.covered[layer, start : start + k.shape[0]] += 1
+        self.chunks.append((layer, start, k.clone(), v.clone()))
+
+
+def run(engine: LLMEngine) -> list[TokenOutput]:
+    outs: list[TokenOutput] = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs
+
+
+def decode_on(engine: LLMEngine, rid: str, prompt: list[int], first: int,
+              chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+              params: SamplingParams) -> list[int]:  # fmt: skip
+    free = engine.stats().free_blocks
+    assert engine.reserve(rid, len(prompt))
+    assert engine.stats().free_blocks < free
+    for layer, start, k, v in chunks:
+        engine.import_kv(rid, layer, start, k, v)
+    engine.start_decode(rid, prompt, first, params)
+    outs = run(engine)
+    assert all(o.request_id == rid for o in outs)
+    assert outs[-1].finished
+    assert engine.stats().free_blocks == engine.num_kv_blocks
+    return [first] + [o.token_id for o in outs if o.token_id is not None]
+
+
+@pytest.mark.parametrize(
+    ("prefill_config", "params"),
+    [
+        ({}, SamplingParams(max_tokens=12, ignore_eos=True)),
+        ({"max_batch_tokens": 10}, SamplingParams(max_tokens=12, ignore_eos=True)),  # chunked
+        (
+            {"block_size": 4},
+            SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=5),
+        ),  # fmt: skip
+    ],
+    ids=["greedy", "chunked", "seeded-sampling"],
+)
+def test_streamed_kv_decodes_like_local(
+    make_engine: Callable[..., LLMEngine],
+    prompt_ids: Callable[..., list[int]],
+    prefill_config: dict[str, int],
+    params: SamplingParams,
+) -> None:
+    local = make_engine()
+    prompt = prompt_ids(local, 29)
+    expected = local.generate([prompt], params)[0]
+
+    a = make_engine(**prefill_config)
+    collector = KVCollector(a.model_config.num_layers, len(prompt))
+    a.add_request("r1", prompt, params, prefill_only=True, on_kv=collector)
+    outs = run(a)
+    assert len(outs) == 1 and outs[0].finish_reason == "prefill_done" and outs[0].finished
+    assert bool((collector.covered == 1).all())  # every prompt token, every layer, once
+    assert a.stats().free_blocks == a.num_kv_blocks  # freed after the last on_kv
+
+    b = make_engine(block_size=8)  # the decode side may page differently
+    assert decode_on(b, "r1", prompt, outs[0].token_id, collector.chunks, params) == expected
+
+
+def test_prefix_cache_hit_is_exported_from_the_cache(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    a = make_engine(block_size=4, max_batch_tokens=6)
+    prompt = prompt_ids(a, 26)
+    expected = make_engine().generate([prompt], params)[0]
+    a.generate([prompt[:20] + prompt_ids(a, 3, salt=3)], params)  # warms 5 blocks
+
+    collector = KVCollector(a.model_config.num_layers, len(prompt))
+    a.add_request("r", prompt, params, prefill_only=True, on_kv=collector)
+    outs = run(a)
+    assert outs[0].num_cached_tokens == 20
+    assert bool((collector.covered == 1).all())
+    assert collector.chunks[0][1] == 0 and collector.chunks[0][2].shape[0] == 20
+    b = make_engine()
+    assert decode_on(b, "r", prompt, outs[0].token_id, collector.chunks, params) == expected
+
+
+def test_export_kv_then_import(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    a = make_engine()
+    prompt = prompt_ids(a, 18)
+    expected = make_engine().generate([prompt], params)[0]
+    a.add_request("r", prompt, params)
+    first = a.step()[0].token_id
+    assert first is not None
+    chunks = []
+    for layer in range(a.model_config.num_layers):
+        k, v = a.export_kv("r", layer)
+        assert k.shape == (18, a.model_config.num_kv_heads, a.model_config.head_dim)
+        assert k.is_contiguous() and v.is_contiguous()
+        chunks += [(layer, 0, k[:7], v[:7]), (layer, 7, k[7:], v[7:])]
+    assert a.abort("r")
+    assert [o.finish_reason for o in run(a)] == ["abort"]
+    assert a.stats().free_blocks == a.num_kv_blocks
+    b = make_engine()
+    assert decode_on(b, "r", prompt, first, chunks, params) == expected
+
+
+def test_reserve_import_validation_and_release(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    b = make_engine(num_kv_blocks=6, block_size=4)
+    mc = b.model_config
+    kv = torch.zeros(4, mc.num_kv_heads, mc.head_dim)
+    assert b.reserve("r", 10)  # 3 blocks (10 prompt tokens + the first generated token)
+    assert b.stats().free_blocks == 3
+    assert not b.reserve("too-big", 12)  # needs 4 blocks, 3 free
+    with pytest.raises(ValueError, match="already in use"):
+        b.reserve("r", 1)
+    with pytest.raises(ValueError, match="layer"):
+        b.import_kv("r", mc.num_layers, 0, kv, kv)
+    with pytest.raises(ValueError, match="token_start"):
+        b.import_kv("r", 0, 8, kv, kv)
+    with pytest.raises(ValueError, match="shape"):
+        b.import_kv("r", 0, 0, kv[:, :, :1], kv[:, :, :1])
+    with pytest.raises(ValueError, match="dtype"):
+        b.import_kv("r", 0, 0, kv.double(), kv.double())
+    with pytest.raises(ValueError, match="no reservation"):
+        b.import_kv("nope", 0, 0, kv, kv)
+    b.import_kv("r", 0, 0, kv, kv)
+    prompt = prompt_ids(b, 10)
+    with pytest.raises(ValueError, match="missing KV"):
+        b.start_decode("r", prompt, 5, SamplingParams())
+    with pytest.raises(ValueError, match="reservation is for"):
+        b.start_decode("r", prompt[:9], 5, SamplingParams())
+    b.release("r")
+    b.release("r")  # idempotent (a lease timer may race the error path)
+    assert b.stats().free_blocks == 6
+    assert b.reserve("r2", 3)
+    assert b.abort("r2")  # a reservation can be aborted too; nothing is emitted
+    assert b.step() == []
+    assert b.stats().free_blocks == 6
+
+
+def test_first_token_that_ends_the_request(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    b = make_engine()
+    mc = b.model_config
+    prompt = prompt_ids(b, 5)
+    kv = torch.zeros(5, mc.num_kv_heads, mc.head_dim)
+    for rid, params, first, reason in [
+        ("eos", SamplingParams(), b.tokenizer.eos_token_ids[0], "stop"),
+        ("one", SamplingParams(max_tokens=1), 42, "length"),
+    ]:
+        assert b.reserve(rid, 5)
+        for layer in range(mc.num_layers):
+            b.import_kv(rid, layer, 0, kv, kv)
+        b.start_decode(rid, prompt, first, params)
+        outs = run(b)
+        assert [(o.token_id, o.finished, o.finish_reason) for o in outs] == [(None, True, reason)]
+    assert b.stats().free_blocks == b.num_kv_blocks

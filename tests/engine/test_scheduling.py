@@ -1,0 +1,263 @@
+"""Block accounting, preemption, priority, sampling seeds, stop conditions and input errors."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+from splitserve_workers.engine import LLMEngine, Priority, SamplingParams, TokenOutput
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def drain(engine: LLMEngine) -> dict[str, list[TokenOutput]]:
+    outs: dict[str, list[TokenOutput]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_free_blocks_return_after_requests_aborts_releases_and_errors(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine(block_size=4, num_kv_blocks=40, max_batch_tokens=24, max_batch_size=4)
+    total = engine.stats().free_blocks
+    assert total == 40
+    rng = random.Random(3)
+    mc = engine.model_config
+    finished: dict[str, str] = {}
+    live: set[str] = set()
+
+    def failing_on_kv(rid: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise RuntimeError("peer went away")
+
+    for i in range(60):
+        action = rng.random()
+        rid = f"r{i}"
+        if action < 0.45:
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 10), temperature=rng.choice([0.0, 1.0]), seed=i
+            )
+            prio = rng.choice(list(Priority))
+            engine.add_request(rid, prompt_ids(engine, rng.randint(1, 30), salt=i), params, prio)
+            live.add(rid)
+        elif action < 0.55:
+            engine.add_request(rid, prompt_ids(engine, 9, salt=i), GREEDY, on_kv=failing_on_kv)
+            live.add(rid)
+        elif action < 0.7 and live:
+            engine.abort(rng.choice(sorted(live)))
+        elif action < 0.8:
+            if engine.reserve(rid, rng.randint(1, 12)):
+                if rng.random() < 0.5:
+                    engine.release(rid)
+                else:
+                    assert engine.abort(rid)
+        elif action < 0.85:
+            with pytest.raises(ValueError):
+                engine.add_request(rid, [], GREEDY)
+        for _ in range(rng.randint(0, 3)):
+            for o in engine.step():
+                if o.finished:
+                    finished[o.request_id] = o.finish_reason or ""
+                    live.discard(o.request_id)
+    for rid, outs in drain(engine).items():
+        assert outs[-1].finished
+        finished[rid] = outs[-1].finish_reason or ""
+    assert engine.stats().free_blocks == total
+    reasons = set(finished.values())
+    assert {"error", "abort"} <= reasons and reasons <= {"error", "abort", "stop", "length"}
+    assert engine.stats().num_running == engine.stats().num_waiting == 0
+    assert engine.abort("r0") is False  # finished requests are forgotten
+    assert mc.num_layers == 2
+
+
+def test_preemption_recomputes_and_keeps_tokens(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine(block_size=4, num_kv_blocks=12)
+    prompts = [prompt_ids(engine, 8, salt=i) for i in range(3)]
+    reference = make_engine().generate(prompts, GREEDY)
+    # Each needs ceil(20 / 4) = 5 blocks at the end: 15 > 12, so someone is preempted.
+    assert engine.generate(prompts, GREEDY) == reference
+    s = engine.stats()
+    assert s.preemptions_total > 0
+    assert s.free_blocks == 12
+
+
+def test_preemption_victim_is_lowest_priority_then_newest(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine(block_size=4, num_kv_blocks=9)
+    victims: list[str] = []
+    preempt = engine.scheduler.preempt
+
+    def spy(seq):  # type: ignore[no-untyped-def]
+        victims.append(seq.request_id)
+        preempt(seq)
+
+    engine.scheduler.preempt = spy  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.add_request("old-background", prompt_ids(engine, 8, salt=1), params, Priority.BACKGROUND)
+    engine.add_request("interactive-1", prompt_ids(engine, 8, salt=2), params)
+    engine.add_request("interactive-2", prompt_ids(engine, 8, salt=3), params)
+    outs = drain(engine)
+    assert victims and victims[0] == "old-background"
+    assert all(len([o for o in outs[r] if o.token_id is not None]) == 12 for r in outs)
+    assert engine.stats().free_blocks == 9
+
+
+def test_interactive_is_scheduled_before_background(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine(max_batch_size=1)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("bg", prompt_ids(engine, 6, salt=1), params, Priority.BACKGROUND)
+    engine.add_request("fg", prompt_ids(engine, 6, salt=2), params, Priority.INTERACTIVE)
+    order = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                order.append(o.request_id)
+    assert order == ["fg", "bg"]
+
+
+def test_seeded_sampling_is_reproducible(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine()
+    p = prompt_ids(engine, 10)
+    seeded = SamplingParams(temperature=1.0, top_k=50, seed=123, max_tokens=16, ignore_eos=True)
+    alone = engine.generate([p], seeded)[0]
+    # Same seed, different batch company and order: same tokens.
+    others = [prompt_ids(engine, 7, salt=i) for i in range(3)]
+    batch = engine.generate([others[0], p, others[1]], [GREEDY, seeded, seeded])
+    assert batch[1] == alone
+    other_seed = SamplingParams(temperature=1.0, top_k=50, seed=124, max_tokens=16, ignore_eos=True)
+    assert engine.generate([p], other_seed)[0] != alone
+    greedy = engine.generate([p], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert alone != greedy  # temperature 1 over ~500 tokens does not follow the argmax
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine()
+    p = prompt_ids(engine, 10)
+    greedy = engine.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    for params in (
+        SamplingParams(temperature=2.0, top_k=1, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=2.0, top_p=1e-6, max_tokens=8, ignore_eos=True),
+    ):
+        assert engine.generate([p], params)[0] == greedy
+
+
+def test_logprobs(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine()
+    engine.add_request("r", prompt_ids(engine, 6), SamplingParams(max_tokens=4, logprobs=True))
+    outs = drain(engine)["r"]
+    assert all(o.logprob is not None and o.logprob <= 0.0 for o in outs)
+    engine.add_request("n", prompt_ids(engine, 6), SamplingParams(max_tokens=2))
+    assert all(o.logprob is None for o in drain(engine)["n"])
+
+
+def test_stop_token_ids_stop_strings_eos_and_length(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine()
+    p = prompt_ids(engine, 12, salt=4)
+    full = engine.generate([p], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    stop_id = full[5]
+    first_at = full.index(stop_id)
+
+    engine.add_request("ids", p, SamplingParams(max_tokens=20, stop_token_ids=[stop_id]))
+    outs = drain(engine)["ids"]
+    assert [o.token_id for o in outs] == full[: first_at + 1]
+    assert outs[-1].finish_reason == "stop"
+
+    text = engine.tokenizer.decode(full)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and stop in text
+    engine.add_request("str", p, SamplingParams(max_tokens=20, stop=[stop], ignore_eos=True))
+    outs = drain(engine)["str"]
+    got = [o.token_id for o in outs]
+    assert outs[-1].finish_reason == "stop"
+    assert stop in engine.tokenizer.decode(got) and stop not in engine.tokenizer.decode(got[:-1])
+    assert got == full[: len(got)]
+
+    engine.eos_token_ids = {full[2]}  # pretend the third token is EOS
+    engine.add_request("eos", p, SamplingParams(max_tokens=20))
+    outs = drain(engine)["eos"]
+    assert [o.token_id for o in outs] == full[: full.index(full[2]) + 1]
+    assert outs[-1].finish_reason == "stop"
+    engine.add_request("ignore", p, SamplingParams(max_tokens=7, ignore_eos=True))
+    outs = drain(engine)["ignore"]
+    assert len(outs) == 7 and outs[-1].finish_reason == "length"
+
+
+def test_max_model_len(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine(max_model_len=32)
+    assert engine.model_config.max_model_len == 32
+    with pytest.raises(ValueError, match="max_model_len 32"):
+        engine.add_request("long", prompt_ids(engine, 33), GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("oov", [engine.model_config.vocab_size], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("bad", [5], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        engine.reserve("r", 33)
+    engine.add_request(
+        "fits", prompt_ids(engine, 28), SamplingParams(max_tokens=100, ignore_eos=True)
+    )
+    outs = drain(engine)["fits"]
+    assert len(outs) == 4 and outs[-1].finish_reason == "length"  # 28 + 4 = 32 tokens
+    engine.add_request("full", prompt_ids(engine, 32), SamplingParams(max_tokens=100))
+    outs = drain(engine)["full"]
+    assert len(outs) == 1 and outs[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_engine(max_model_len=10**6)
+
+
+def test_abort_waiting_and_running(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine(max_batch_size=1)
+    engine.add_request("a", prompt_ids(engine, 5), GREEDY)
+    engine.add_request("b", prompt_ids(engine, 5, salt=1), GREEDY)
+    engine.step()  # a prefilled, b waiting (batch size 1)
+    assert engine.abort("a") and engine.abort("b")
+    assert not engine.abort("missing")
+    outs = engine.step()
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "abort"), ("b", "abort")]
+    assert not engine.has_unfinished()
+    assert engine.stats().free_blocks == engine.num_kv_blocks
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("c", [5], GREEDY)
+        engine.add_request("c", [5], GREEDY)
+
+
+def test_kv_sizing_and_stats(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine(kv_cache_memory_bytes=1 << 20, block_size=16)
+    mc = engine.model_config
+    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
+    assert engine.kv_bytes_per_token() == per_token
+    assert engine.num_kv_blocks == (1 << 20) // (16 * per_token)
+    assert engine.model_runner.kv_cache.numel() * 4 == engine.num_kv_blocks * 16 * per_token
+    engine.add_request("r", list(range(4, 40)), SamplingParams(max_tokens=2))
+    assert engine.stats().queued_prefill_tokens == 36
+    engine.step()
+    s = engine.stats()
+    assert (s.batch_size, s.num_prefill_tokens, s.num_decode_tokens) == (1, 36, 0)
+    assert s.free_blocks == engine.num_kv_blocks - 3 and 0 < s.kv_usage < 1
+    engine.step()
+    s = engine.stats()
+    assert (s.num_decode_tokens, s.num_running) == (1, 0)
+    assert s.free_blocks == s.total_blocks == engine.num_kv_blocks
