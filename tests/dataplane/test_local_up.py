@@ -1,0 +1,118 @@
+"""`splitserve up` as a user runs it: `--demo` on a fresh cache builds the tiny model, starts the
+pools and the router, streams a few answers and exits 0 by itself; a long-running `up` stops all
+its children on SIGTERM (no orphans)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Bounds a hang (torch imports and model loads on a busy machine); nothing here is timed.
+DEMO_TIMEOUT_S = 900
+
+
+def up_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "splitserve_workers.cli", "up", *args]
+
+
+def env_with(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra})
+    return env
+
+
+def test_up_demo_on_a_fresh_cache_runs_and_exits_zero(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    result = subprocess.run(
+        up_cmd("--port", "0", "--device", "cpu", "--demo", "--log-dir", str(tmp_path / "logs")),
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
+        env=env_with(SPLITSERVE_CACHE=str(cache)),
+    )
+    out = result.stdout
+    assert result.returncode == 0, f"{out[-3000:]}\n{result.stderr[-3000:]}"
+    # Built the model once into the cache it was given.
+    assert (cache / "models" / "tiny-llama" / "config.json").is_file()
+    assert re.search(r"splitserve is up: http://127\.0\.0\.1:\d+/v1", out)
+    assert out.count("assistant: ") == 3
+    table = re.findall(r"^\s+\d+\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert len(table) == 3, out
+    for prompt_tokens, output_tokens, ttft_ms, _tpot_ms in table:
+        assert int(prompt_tokens) > 0 and int(output_tokens) > 0 and float(ttft_ms) > 0
+    assert "stopping" in out
+
+
+def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        up_cmd(
+            "--model",
+            str(tiny_model),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--prefill",
+            "1",
+            "--decode",
+            "2",
+            "--stats-interval",
+            "0.5",
+            "--log-dir",
+            str(tmp_path),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env_with(),
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("READY role=up"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(DEMO_TIMEOUT_S) and proc.poll() is None, "".join(lines)
+        port = int(next(line for line in lines if line.startswith("READY role=up")).split("=")[-1])
+        children = psutil.Process(proc.pid).children(recursive=True)
+        roles = sorted(c.cmdline()[3] for c in children if "splitserve_workers.cli" in c.cmdline())
+        assert roles == ["decode", "decode", "prefill", "router"]
+        # It serves, and the live line reports what it measured.
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "hello", "max_tokens": 8},
+            timeout=120,
+        )
+        assert r.status_code == 200
+        deadline = time.monotonic() + 60
+        while not any("TTFT mean" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert any("TTFT mean" in line for line in lines), "".join(lines)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, "".join(lines)
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
