@@ -417,7 +417,8 @@ async def _up(
             *(stack.start(f"{role}-{i}", [role, *common]) for role, i in specs)
         )
         stopper = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        first: set[asyncio.Future[Any]] = {starting, stopper}
+        done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         if stopper in done:
             starting.cancel()
             return 130
@@ -461,7 +462,8 @@ async def _up(
         if args.demo:
             demo = asyncio.ensure_future(run_demo(base, model_name))
             stopper = asyncio.ensure_future(stop.wait())
-            done, _ = await asyncio.wait({demo, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            racing: set[asyncio.Future[Any]] = {demo, stopper}
+            done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
             if demo not in done:
                 demo.cancel()

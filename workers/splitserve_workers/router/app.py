@@ -558,8 +558,8 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         if discovery_kind == "dns":
             discovery = DnsDiscovery(
                 {
-                    "prefill": prefill or "",
-                    "decode": decode or "",
+                    "prefill": str(prefill or ""),
+                    "decode": str(decode or ""),
                     "colocated": args.colocated or "",
                 }
             )

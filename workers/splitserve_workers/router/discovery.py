@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from abc import ABC, abstractmethod
+from typing import cast
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -83,7 +84,7 @@ class DnsDiscovery(Discovery):
             )
         except OSError:
             return list(self._last.get(role, []))
-        found = sorted({f"{info[4][0]}:{info[4][1]}" for info in infos})
+        found = sorted({f"{cast(str, info[4][0])}:{cast(int, info[4][1])}" for info in infos})
         self._last[role] = found
         return found
 

@@ -69,7 +69,7 @@ class FlowRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: serving_pb2.SamplingParams
-    priority: int  # serving_pb2.Priority value
+    priority: serving_pb2.Priority
     eos_token_ids: list[int] = field(default_factory=list)
 
     @property
