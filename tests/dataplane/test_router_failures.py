@@ -232,3 +232,35 @@ def test_colocated_pool_behind_the_same_api(
     assert whole.usage is not None and whole.usage.completion_tokens >= 1
     text = httpx.get(base + "/metrics", timeout=10).text
     assert "splitserve_time_to_first_token_seconds_count" in text
+
+
+def test_request_no_decode_worker_can_hold_is_refused_at_once(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    prefill = launch_worker("prefill", worker_flags(tiny_model))
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "2"))
+    router = launch_worker(
+        "router",
+        router_args(
+            tiny_model,
+            "--prefill",
+            prefill.endpoint,
+            "--decode",
+            decode.endpoint,
+            "--admission-timeout",
+            "600",
+        ),
+    )
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    # 2 blocks of 16 tokens cannot hold 100 prompt tokens: no amount of waiting helps, so the
+    # answer is a 400 now, not a 503 after the 600 s admission timeout.
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": list(range(2, 102)), "max_tokens": 4}, timeout=120
+    )
+    assert r.status_code == 400, r.text
+    assert "KV blocks" in r.json()["error"]["message"]
+    ok = httpx.post(
+        base + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=120
+    )
+    assert ok.status_code == 200, ok.text

@@ -310,7 +310,7 @@ class Router:
                 status = run.status
                 run.record()
         except FlowError as e:
-            status = "rejected" if e.code == "no_capacity" else "error"
+            status = "rejected" if e.status < 500 or e.code == "no_capacity" else "error"
             raise api.APIError(e.status, e.message, code=e.code) from e
         except asyncio.CancelledError:
             status = "abort"

@@ -164,7 +164,9 @@ class Flow:
         last_reason = "no decode workers"
         while True:
             tried: set[str] = set()
-            incompatible = 0
+            # Refusals that waiting cannot fix: a model mismatch, or a request this worker can
+            # never hold (too long for its cache or its context limit).
+            incompatible = too_big = 0
             while (worker := self.decode.pick(tried)) is not None:
                 tried.add(worker.load.endpoint)
                 block = worker.model.block_size or 0
@@ -177,6 +179,7 @@ class Flow:
                         f"prompt needs {math.ceil(need / block)} KV blocks, "
                         f"decode worker has {worker.load.total_blocks}"
                     )
+                    too_big += 1
                     continue
                 try:
                     resp = await worker.stub.Reserve(
@@ -191,7 +194,9 @@ class Flow:
                     )
                 except grpc.aio.AioRpcError as e:
                     last_reason = f"{worker.load.endpoint}: {_rpc_reason(e)}"
-                    if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        too_big += 1
+                    else:
                         self.decode.mark_failed(worker.load.endpoint)
                     continue
                 if resp.accepted:
@@ -207,8 +212,13 @@ class Flow:
                     worker.load.draining = True
                 elif resp.reason.startswith("incompatible"):
                     incompatible += 1
+            if tried and too_big and incompatible + too_big == len(tried):
+                raise FlowError(
+                    400,
+                    f"no decode worker can hold this request ({last_reason})",
+                    code="request_too_large_for_workers",
+                )
             if tried and incompatible == len(tried):
-                # Waiting cannot fix a model mismatch: say so now.
                 raise FlowError(
                     502,
                     f"no decode worker can take this prefill worker's KV ({last_reason})",
