@@ -170,7 +170,7 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
     kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_change)
     kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_change)
     kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_change)
-    # optional: no finalizer just for this; deletion must not wait for the operator.
+    # optional: this handler adds no finalizer of its own (the resync timer has kopf's one).
     kopf.on.delete(*resource, registry=registry, id="cleanup", optional=True)(on_delete)
     kopf.timer(
         *resource,
