@@ -91,9 +91,11 @@ def paged_attention(
         return out.transpose(1, 2).reshape(T, H * D)
 
     assert meta.block_tables is not None
-    # One gather per layer for the whole batch: [B, blocks, bs, kvH, D] -> [B, L, kvH, D].
-    kc = k_cache[meta.block_tables].view(B, -1, kvH, D)[:, :L].transpose(1, 2)
-    vc = v_cache[meta.block_tables].view(B, -1, kvH, D)[:, :L].transpose(1, 2)
+    # One gather per layer for the whole batch: [B * blocks, bs, kvH, D] -> [B, L, kvH, D].
+    # index_select on flat block ids is ~10x cheaper than advanced indexing on CPU.
+    flat = meta.block_tables.view(-1)
+    kc = k_cache.index_select(0, flat).view(B, -1, kvH, D)[:, :L].transpose(1, 2)
+    vc = v_cache.index_select(0, flat).view(B, -1, kvH, D)[:, :L].transpose(1, 2)
 
     if meta.pad_index is not None:
         qp = q.new_zeros(B * Q, H, D)

@@ -59,8 +59,8 @@ class RotaryEmbedding:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for the given positions as [T, 1, head_dim] in the activation dtype."""
         return (
-            self.cos[positions].unsqueeze(1).to(dtype),
-            self.sin[positions].unsqueeze(1).to(dtype),
+            self.cos.index_select(0, positions).unsqueeze(1).to(dtype),
+            self.sin.index_select(0, positions).unsqueeze(1).to(dtype),
         )
 
 

@@ -1,0 +1,159 @@
+"""CPU benchmark: this engine against transformers `generate` on the same random-weight files.
+
+Measures prefill and decode tokens/s at several batch sizes (greedy, fixed prompt and output
+lengths, the same torch thread count for both), prints a table and writes
+bench/results/engine.json. Run: python bench/engine.py [--model DIR] [--threads 2].
+Without --model it writes the `small` preset (~58M parameters) into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from splitserve_workers.engine import EngineConfig, LLMEngine, SamplingParams
+from splitserve_workers.engine.make_model import write_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def prompts_for(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(salt)
+    return torch.randint(4, vocab, (batch, length), generator=g).tolist()
+
+
+def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds): steps until every request has its first token, then
+    steps until all finish."""
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    started = time.perf_counter()
+    prefill_done = None
+    first: set[str] = set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.add(out.request_id)
+        if prefill_done is None and len(first) == len(prompts):
+            prefill_done = time.perf_counter()
+    end = time.perf_counter()
+    assert prefill_done is not None
+    return prefill_done - started, end - prefill_done
+
+
+def reference(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) for transformers generate: a one-token generate is
+    the prefill; the rest of a full generate is the decode."""
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False)  # fmt: skip
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - started
+
+    prefill = gen(1)
+    total = gen(new_tokens)
+    return prefill, max(total - prefill, 1e-9)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", help="HF-format directory (default: write the small preset)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(RESULTS / "engine.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    tmp = None
+    model_dir = args.model
+    if model_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="splitserve-bench-")
+        model_dir = str(write_model("small", Path(tmp.name) / "small", seed=0))
+
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            device="cpu",
+            dtype="float32",
+            max_batch_size=max(batches),
+            max_batch_tokens=max(batches) * args.prompt_len,
+            kv_cache_memory_bytes=1 << 30,
+        )
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.eval()
+    hf.generation_config.eos_token_id = None
+    vocab = engine.tokenizer.vocab_size
+    mc = engine.model_config
+    print(f"model {mc.architecture} layers={mc.num_layers} hidden={mc.hidden_size} "
+          f"params={mc.num_params() / 1e6:.1f}M threads={args.threads} "
+          f"prompt={args.prompt_len} new_tokens={args.new_tokens}")  # fmt: skip
+
+    # Warm up both (allocator, kernels) on a small batch.
+    warm = prompts_for(2, args.prompt_len, vocab, salt=99)
+    ours(engine, warm, 4)
+    reference(hf, warm, 4)
+
+    rows = []
+    for b in batches:
+        prompts = prompts_for(b, args.prompt_len, vocab, salt=b)
+        op, od = ours(engine, prompts, args.new_tokens)
+        rp, rd = reference(hf, prompts, args.new_tokens)
+        pre_tokens = b * args.prompt_len
+        dec_tokens = b * (args.new_tokens - 1)
+        for phase, mine, theirs, n in (("prefill", op, rp, pre_tokens),
+                                       ("decode", od, rd, dec_tokens)):  # fmt: skip
+            rows.append({
+                "phase": phase, "batch": b,
+                "ours_tokens_per_s": round(n / mine, 2),
+                "transformers_tokens_per_s": round(n / theirs, 2),
+                "ratio": round(theirs / mine, 3),
+            })  # fmt: skip
+
+    cache = engine.model_runner.kv_cache
+    measured = cache.numel() * cache.element_size() // (engine.num_kv_blocks * engine.block_size)
+    formula = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * cache.element_size()
+    print(f"{'phase':8} {'batch':>5} {'ours tok/s':>12} {'transformers':>13} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['phase']:8} {r['batch']:>5} {r['ours_tokens_per_s']:>12.1f} "
+              f"{r['transformers_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}x")  # fmt: skip
+    print(f"KV bytes/token: {measured} (formula 2 x layers x kv_heads x head_dim x bytes = "
+          f"{formula})")  # fmt: skip
+    result = {
+        "rows": rows,
+        "kv_bytes_per_token": measured,
+        "kv_bytes_per_token_formula": formula,
+        "setup": {
+            "model": "small" if args.model is None else Path(model_dir).name,
+            "params": mc.num_params(), "threads": args.threads, "dtype": "float32",
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "torch": torch.__version__,
+        },
+    }  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
