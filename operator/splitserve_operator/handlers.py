@@ -166,6 +166,8 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         if service and namespace:
             operator.write_status(namespace, service)
 
+    # kopf adds default login handlers only to its global registry; this one is our own.
+    kopf.on.login(registry=registry)(kopf.login_via_client)
     resource = (GROUP, VERSION, PLURAL)
     kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_change)
     kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_change)

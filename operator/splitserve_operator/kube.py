@@ -87,8 +87,8 @@ class Kube:
             header_params=headers,
             auth_settings=["BearerToken"],
         )
-        data = json.dumps(body) if body is not None else None
-        response = self.api.call_api(method, url, header_params=headers, body=data)
+        # The REST layer serialises JSON (and apply-patch YAML) bodies itself.
+        response = self.api.call_api(method, url, header_params=headers, body=body)
         raw = response.read()
         if method == "GET" and response.status == 404:
             return None

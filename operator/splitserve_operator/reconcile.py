@@ -45,9 +45,11 @@ def apply_deployment(kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcom
     desired = int(obj["spec"]["replicas"])
     live = kube.get(ref)
     if live is None:
-        # Created with its replicas; the replicas manager co-owns the value from the start.
-        result = kube.apply(obj, FIELD_MANAGER)
-        result = kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
+        # Created with its replicas, then the replicas manager takes the field and the main
+        # manager lets go of it, so later main applies are no-ops (no managedFields churn).
+        kube.apply(obj, FIELD_MANAGER)
+        kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
+        result = kube.apply(without_replicas(obj), FIELD_MANAGER)
         outcome.created.append(str(ref))
     else:
         before = live["metadata"]["resourceVersion"]

@@ -64,7 +64,11 @@ def test_creation_sets_replicas_in_every_mode() -> None:
     for mode in ("Off", "Builtin", "HPA"):
         kube = RecordingKube()
         outcome = apply_children(kube, children(mode), mode)  # type: ignore[arg-type]
-        assert decode_calls(kube) == [(FIELD_MANAGER, 2), (REPLICAS_FIELD_MANAGER, 2)]
+        assert decode_calls(kube) == [
+            (FIELD_MANAGER, 2),
+            (REPLICAS_FIELD_MANAGER, 2),
+            (FIELD_MANAGER, None),
+        ]
         assert kube.objects[DECODE]["spec"]["replicas"] == 2
         assert str(DECODE) in outcome.created
         assert set(outcome.deployments) == {"router", "prefill", "decode"}
