@@ -236,6 +236,9 @@ def main() -> int:
             f"{ms(r['itl_s'], ('p50', 'p99')):>15} "
             f"{r['e2e_s']['p50']:>6.2f}/{r['e2e_s']['p99']:.2f}"
         )
+    for mode, r in results.items():
+        for error in r["errors"]:
+            print(f"{mode}: failed request: {error[:200]}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}

@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
+from splitserve_workers.proto import serving_pb2 as pb
+from splitserve_workers.proto import serving_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -195,6 +198,44 @@ def test_stop_string_is_trimmed(stack: dict[str, Any], engine: Any) -> None:
     )
     assert comp.choices[0].text == full[:cut]
     assert comp.choices[0].finish_reason == "stop"
+
+
+def decode_load(stack: dict[str, Any]) -> pb.LoadReport:
+    with grpc.insecure_channel(stack["decode"].endpoint) as channel:
+        return pb_grpc.DecodeServiceStub(channel).Load(pb.LoadRequest(), timeout=10)
+
+
+def test_early_finishes_free_the_decode_blocks(stack: dict[str, Any], engine: Any) -> None:
+    """max_tokens=1 ends at the prefill worker's token; a stop string ends mid-decode. Both
+    leave a reservation or a running sequence on the decode worker that the router aborts."""
+    initial = decode_load(stack).free_blocks
+    c = client(stack)
+    one = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=1, temperature=0)
+    assert one.choices[0].finish_reason == "length"
+    assert one.usage is not None and one.usage.completion_tokens == 1
+    chunks = list(
+        c.completions.create(
+            model="tiny", prompt=PROMPTS[2], max_tokens=1, temperature=0, stream=True
+        )
+    )
+    assert [ch.choices[0].finish_reason for ch in chunks] == ["length"]
+    full = reference(engine, engine.tokenizer.encode(PROMPTS[0]), 24)
+    stop = full[len(full) // 3 : len(full) // 3 + 1]
+    stopped = c.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=200,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 60
+    while decode_load(stack).free_blocks != initial and time.monotonic() < deadline:
+        time.sleep(0.1)
+    report = decode_load(stack)
+    assert report.free_blocks == initial
+    assert report.running == 0
 
 
 def test_seeded_sampling_is_reproducible(stack: dict[str, Any]) -> None:

@@ -48,6 +48,7 @@ class RouterOptions:
     model_name: str
     model_dir: str
     max_model_len: int
+    vocab_size: int | None = None  # the model's (embedding rows); token-id prompts must fit
     service: str = "local"
     discovery: Discovery = field(default_factory=StaticDiscovery)
     prefill_policy: str = "least_queued_tokens"
@@ -59,9 +60,13 @@ class RouterOptions:
     drain_timeout: float = 30.0
 
 
+def model_config(model_dir: str) -> dict[str, Any]:
+    return dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
 def model_max_len(model_dir: str) -> int:
     """The context limit from the model's config.json (what the workers' engines also use)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = model_config(model_dir)
     for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
         if isinstance(cfg.get(key), int):
             return int(cfg[key])
@@ -105,7 +110,8 @@ class Router:
         self.in_flight = 0
         self.draining = False
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
-        self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        # Model vocabularies are often padded past the tokenizer's: the model's size decides.
+        self.vocab_size = options.vocab_size or getattr(tokenizer, "vocab_size", None)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -575,6 +581,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         model_name=name,
         model_dir=model_dir,
         max_model_len=max_len,
+        vocab_size=model_config(model_dir).get("vocab_size"),
         service=args.service or config.service,
         discovery=discovery,
         prefill_policy=args.prefill_policy or rs.prefill_policy,
