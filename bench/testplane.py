@@ -47,8 +47,8 @@ def main() -> int:
         "kube_version": plane.KUBE_VERSION,
         "bin_dir_name": bin_dir.parent.name,
         "cold_build_seconds": cold,
-        "warm_start_seconds": starts,
-        "warm_start_median_seconds": statistics.median(starts),
+        "warm_start_seconds": [round(s, 2) for s in starts],
+        "warm_start_median_seconds": round(statistics.median(starts), 2),
         "nodes": args.nodes,
         "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
     }

@@ -7,7 +7,7 @@ cluster-up:  ## start the real control plane (etcd, apiserver, controllers, kwok
 	@bash hack/testplane/build.sh >/dev/null
 	@V=$$(bash hack/venv.sh) && $$V/bin/python hack/testplane/plane.py up \
 	  --dir $(CLUSTER_DIR) --nodes $(CLUSTER_NODES)
-	@echo 'use it with: eval "$$(make -s cluster-env)"'
+	@echo 'use it with: eval "$$(make -s cluster-env CLUSTER_DIR=$(CLUSTER_DIR))"'
 
 cluster-env:  ## print the KUBECONFIG/PATH exports for the running test plane
 	@V=$$(bash hack/venv.sh) && $$V/bin/python hack/testplane/plane.py env --dir $(CLUSTER_DIR)
