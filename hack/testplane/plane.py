@@ -251,22 +251,35 @@ class ControlPlane:
             atexit.register(self.stop)
             self._atexit_registered = True
         deadline = time.monotonic() + timeout
-        try:
-            self.logs.mkdir(parents=True, exist_ok=True)
-            make_pki(self.pki)
-            self._start_etcd(deadline)
-            self._start_apiserver(deadline)
-            self._start_controllers(deadline)
-            self._create_nodes()
-            self.wait_nodes_ready(deadline - time.monotonic())
-            self._wait_default_service_account("default", deadline - time.monotonic())
-        except BaseException:  # KeyboardInterrupt too: never leave orphans behind
-            self.stop()
-            raise
-        return self
+        for attempt in (1, 2):
+            try:
+                self._start_components(deadline)
+                return self
+            except PlaneError as e:
+                # Ports are picked free before a component binds them, so another process can
+                # grab one in between; start over once on fresh ports and fresh data.
+                if attempt == 2 or "address already in use" not in str(e):
+                    self.stop()
+                    raise
+                self._kill_components()
+                for sub in ("etcd-data", "logs"):
+                    shutil.rmtree(self.workdir / sub, ignore_errors=True)
+            except BaseException:  # KeyboardInterrupt too: never leave orphans behind
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
-    def stop(self) -> None:
-        """Kill every component's process group (reverse start order). Safe to call twice."""
+    def _start_components(self, deadline: float) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        make_pki(self.pki)
+        self._start_etcd(deadline)
+        self._start_apiserver(deadline)
+        self._start_controllers(deadline)
+        self._create_nodes()
+        self.wait_nodes_ready(deadline - time.monotonic())
+        self._wait_default_service_account("default", deadline - time.monotonic())
+
+    def _kill_components(self) -> None:
         for comp in reversed(self.components):
             kill_group(comp.proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -276,6 +289,10 @@ class ControlPlane:
             with contextlib.suppress(Exception):
                 self._api.close()
             self._api = None
+
+    def stop(self) -> None:
+        """Kill every component's process group (reverse start order). Safe to call twice."""
+        self._kill_components()
         if self._own_workdir and not os.environ.get("SPLITSERVE_KEEP_PLANE"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 

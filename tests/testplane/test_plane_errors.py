@@ -4,6 +4,7 @@ reported with its log lines and nothing is left running (hack/testplane/plane.py
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -59,3 +60,30 @@ def test_missing_binary_is_named(tmp_path: Path) -> None:
 def test_negative_node_count_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nodes must be >= 0"):
         plane.ControlPlane(bin_dir=tmp_path, nodes=-1)
+
+
+def test_port_taken_between_pick_and_bind_is_retried_once(tmp_path: Path) -> None:
+    # First run: pretends its port was taken. Second run: serves /health on the given port.
+    runs = tmp_path / "etcd-runs"
+    etcd = f"""#!{sys.executable}
+import http.server, sys
+from pathlib import Path
+runs = Path({str(runs)!r})
+runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
+if len(runs.read_text()) == 1:
+    sys.exit("listen tcp 127.0.0.1:1234: bind: address already in use")
+url = next(a for a in sys.argv if a.startswith("--listen-client-urls="))
+port = int(url.rsplit(":", 1)[1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{{"health":"true"}}')
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+    bin_dir = fake_bin_dir(tmp_path, etcd)
+    cp = plane.ControlPlane(bin_dir=bin_dir, workdir=tmp_path / "work")
+    with pytest.raises(plane.PlaneError, match="kube-apiserver exited with status 3"):
+        cp.start(timeout=30)
+    assert runs.read_text() == "xx", "etcd is started again after the port clash"
+    assert cp.components == []
