@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.models.llama import LlamaForCausalLM
@@ -49,6 +48,8 @@ def _shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> LlamaForCausalLM:
+    from safetensors import safe_open  # here: the model code itself needs only torch
+
     model_dir = Path(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, dtype)

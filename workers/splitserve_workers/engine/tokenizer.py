@@ -12,10 +12,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.sandbox
-from tokenizers import Tokenizer as HFTokenizer
-
 
 def _token_text(value: Any) -> str | None:
     # tokenizer_config.json writes special tokens as a string or as an AddedToken dict.
@@ -25,11 +21,17 @@ def _token_text(value: Any) -> str | None:
 
 
 def _raise_exception(message: str) -> None:
+    import jinja2
+
     raise jinja2.exceptions.TemplateError(message)
 
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
+        # Imported here so the model code imports on a box that has torch only (GPU bench).
+        import jinja2.sandbox
+        from tokenizers import Tokenizer as HFTokenizer
+
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
