@@ -373,8 +373,10 @@ class _Run:
                     self.finish_reason = chunk.finish_reason or "stop"
                     yield text + self.detok.finish(), self.finish_reason
                     return
-                if text:
-                    yield text, None
+                # One chunk per token event even when its text is empty (held back for a stop
+                # string, an incomplete character, a token without text): clients time tokens
+                # by chunks, and an empty delta is valid OpenAI streaming.
+                yield text, None
         finally:
             await tokens.aclose()  # type: ignore[attr-defined]
 
@@ -433,8 +435,7 @@ class _Run:
                         text, reason = item
                     if is_first and self.req.echo:
                         text = self.prompt_text + text
-                    if text or reason or is_first:
-                        await response.write(api.sse(self._chunk(text, reason, is_first)))
+                    await response.write(api.sse(self._chunk(text, reason, is_first)))
                     is_first = False
                     if reason:
                         break
