@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,6 +35,9 @@ from splitserve_workers.reservations import Failure, Reservation, Reservations, 
 log = logging.getLogger(__name__)
 
 SERVICE = "splitserve.v1.DecodeService"
+# Chunks up to this size are imported on the event loop; larger ones on the import thread.
+INLINE_IMPORT_BYTES = 256 << 10
+MAX_PENDING_IMPORTS = 2
 
 
 class DecodeRole:
@@ -188,6 +192,7 @@ class DecodeRole:
     ) -> pb.PushKVResponse:
         rid = dict(context.invocation_metadata() or ()).get(REQUEST_ID_METADATA)
         res: Reservation | None = None
+        pending: deque[asyncio.Future[str | None]] = deque()
         self._active += 1
         try:
             if rid:
@@ -201,15 +206,16 @@ class DecodeRole:
                     if res.state is State.FAILED and res.failure is not None:
                         await context.abort(res.failure.code, res.failure.message)
                     try:
-                        kv = res.tracker.accept(chunk)
+                        layers = res.tracker.accept(chunk)
                     except KVChunkError as e:
                         self._fail(res, e.code, e.message, "invalid_chunk")
                         await context.abort(e.code, e.message)
                         raise  # unreachable
                     self.reservations.touch(res, time.monotonic())
-                    if kv is not None:
-                        await self._import(res, chunk, kv, context)
+                    for layer, k, v in layers:
+                        await self._import(res, layer, chunk.token_start, k, v, pending, context)
                     if chunk.last:
+                        await self._settle_imports(res, pending, 0, context)
                         if not res.tracker.complete:
                             msg = (
                                 f"last chunk arrived with {res.tracker.progress()} of "
@@ -251,30 +257,53 @@ class DecodeRole:
                 res.stream_open = False
                 res.stream_task = None
 
-    async def _import(
-        self, res: Reservation, chunk: KVChunkView, kv: Any, context: grpc.aio.ServicerContext
-    ) -> None:
-        k, v = kv
-        res.busy += 1
+    def _import_kv(self, rid: str, layer: int, start: int, k: Any, v: Any) -> str | None:
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._imports,
-                self.engine.import_kv,
-                res.request_id,
-                chunk.layer,
-                chunk.token_start,
-                k,
-                v,
-            )
+            self.engine.import_kv(rid, layer, start, k, v)
         except ValueError as e:
-            self._fail(res, grpc.StatusCode.INVALID_ARGUMENT, f"import_kv: {e}", "invalid_chunk")
-            raise_after = e
-        else:
-            raise_after = None
-        finally:
-            self.reservations.import_done(res)
-        if raise_after is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"import_kv: {raise_after}")
+            return f"import_kv: {e}"
+        return None
+
+    async def _import(
+        self,
+        res: Reservation,
+        layer: int,
+        token_start: int,
+        k: Any,
+        v: Any,
+        pending: deque[asyncio.Future[str | None]],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Copy one layer slice into the reserved blocks. Small slices are copied inline (a
+        thread hop costs more than the copy); large ones go to the import thread while the next
+        chunk is received, at most MAX_PENDING_IMPORTS in flight (their bytes stay alive)."""
+        rid = res.request_id
+        if 2 * k.numel() * k.element_size() <= INLINE_IMPORT_BYTES:
+            error = self._import_kv(rid, layer, token_start, k, v)
+            if error is not None:
+                self._fail(res, grpc.StatusCode.INVALID_ARGUMENT, error, "invalid_chunk")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            return
+        res.busy += 1
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._imports, self._import_kv, rid, layer, token_start, k, v
+        )
+        fut.add_done_callback(lambda _: self.reservations.import_done(res))
+        pending.append(fut)
+        await self._settle_imports(res, pending, MAX_PENDING_IMPORTS, context)
+
+    async def _settle_imports(
+        self,
+        res: Reservation,
+        pending: deque[asyncio.Future[str | None]],
+        keep: int,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        while len(pending) > keep:
+            error = await pending.popleft()
+            if error is not None:
+                self._fail(res, grpc.StatusCode.INVALID_ARGUMENT, error, "invalid_chunk")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -35,6 +35,8 @@ DEFAULT_QUEUE_BYTES = 64 << 20
 # Message-size limit on both ends: a chunk plus its header, with room for larger chunk settings.
 MAX_KV_MESSAGE_BYTES = 80 << 20
 DEFAULT_CHANNELS_PER_PEER = 4
+# Slices smaller than chunk_bytes / SMALL_FRACTION are batched across layers (layer_count).
+SMALL_FRACTION = 16
 
 PUSH_KV_METHOD = "/splitserve.v1.DecodeService/PushKV"
 REQUEST_ID_METADATA = "splitserve-request-id"
@@ -137,11 +139,13 @@ def encode_kv_chunk(
     token_start: int,
     token_count: int,
     dtype: str,
-    key: bytes | memoryview,
-    value: bytes | memoryview,
+    key: bytes | memoryview | list[bytes | memoryview],
+    value: bytes | memoryview | list[bytes | memoryview],
     last: bool = False,
+    layer_count: int = 1,
 ) -> bytes:
-    """A serialized KVChunk; key/value are copied once, into the message itself."""
+    """A serialized KVChunk. key/value (or lists of per-layer parts) are copied once, into the
+    message itself."""
     header = serving_pb2.KVChunk(
         request_id=request_id,
         layer=layer,
@@ -149,12 +153,14 @@ def encode_kv_chunk(
         token_count=token_count,
         dtype=dtype,
         last=last,
+        layer_count=layer_count if layer_count != 1 else 0,
     ).SerializeToString()
     parts: list[bytes | memoryview] = [header]
-    if len(key):
-        parts += [_KEY_TAG, _varint(len(key)), key]
-    if len(value):
-        parts += [_VALUE_TAG, _varint(len(value)), value]
+    for tag, data in ((_KEY_TAG, key), (_VALUE_TAG, value)):
+        pieces = data if isinstance(data, list) else [data]
+        n = sum(len(p) for p in pieces)
+        if n:
+            parts += [tag, _varint(n), *pieces]
     return b"".join(parts)
 
 
@@ -170,6 +176,7 @@ class KVChunkView:
     key: memoryview = field(default_factory=lambda: memoryview(b""))
     value: memoryview = field(default_factory=lambda: memoryview(b""))
     last: bool = False
+    layer_count: int = 1
     nbytes: int = 0
     malformed: str | None = None  # why the bytes are not a KVChunk (reported as INVALID_ARGUMENT)
 
@@ -214,6 +221,8 @@ def parse_kv_chunk(data: bytes) -> KVChunkView:
                     chunk.token_count = _int32(v)
                 elif number == 8:
                     chunk.last = bool(v)
+                elif number == 9:
+                    chunk.layer_count = _int32(v) or 1
             elif wire == 2:
                 n = varint()
                 if pos + n > end:
@@ -293,9 +302,9 @@ class TransferTracker:
     def progress(self) -> str:
         return f"{self.received_token_layers} of {self.expected_token_layers} token-layers"
 
-    def accept(self, chunk: KVChunkView) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Validate one chunk; returns (k, v) views shaped [tokens, kv_heads, head_dim], or None
-        for an empty chunk (allowed only as a bare `last` marker)."""
+    def accept(self, chunk: KVChunkView) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Validate one chunk; returns (layer, k, v) views shaped [tokens, kv_heads, head_dim]
+        for each layer it carries (none for a bare `last` marker)."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if chunk.malformed:
             raise KVChunkError(bad, chunk.malformed)
@@ -307,13 +316,17 @@ class TransferTracker:
         if chunk.token_count == 0 and not len(chunk.key) and not len(chunk.value):
             if not chunk.last:
                 raise KVChunkError(bad, "token_count: 0 is only allowed on the last chunk")
-            return None
+            return []
         if chunk.dtype != self.dtype:
             raise KVChunkError(
                 bad, f"dtype: {chunk.dtype!r} does not match the reservation's {self.dtype!r}"
             )
-        if not 0 <= chunk.layer < self.num_layers:
-            raise KVChunkError(bad, f"layer: {chunk.layer} is outside [0, {self.num_layers - 1}]")
+        first, nl = chunk.layer, chunk.layer_count
+        if nl < 1 or not 0 <= first or first + nl > self.num_layers:
+            span = f"{first}" if nl == 1 else f"[{first}, {first + nl})"
+            raise KVChunkError(
+                bad, f"layer: {span} is outside [0, {self.num_layers - 1}] (layer_count {nl})"
+            )
         start, count = chunk.token_start, chunk.token_count
         if count < 0 or start < 0 or start + count > self.num_tokens:
             raise KVChunkError(
@@ -321,30 +334,35 @@ class TransferTracker:
                 f"token_start/token_count: [{start}, {start + count}) is outside the "
                 f"{self.num_tokens} reserved prompt tokens",
             )
-        expected = count * self.num_kv_heads * self.head_dim * self.itemsize
+        per_layer = count * self.num_kv_heads * self.head_dim * self.itemsize
+        expected = nl * per_layer
         for name, data in (("key", chunk.key), ("value", chunk.value)):
             if len(data) != expected:
                 raise KVChunkError(
                     bad,
-                    f"{name}: {len(data)} bytes, expected {expected} (token_count {count} x "
-                    f"kv_heads {self.num_kv_heads} x head_dim {self.head_dim} x "
+                    f"{name}: {len(data)} bytes, expected {expected} (layers {nl} x token_count "
+                    f"{count} x kv_heads {self.num_kv_heads} x head_dim {self.head_dim} x "
                     f"{self.itemsize} bytes of {self.dtype})",
                 )
-        covered = self._covered[chunk.layer]
-        if covered.find(1, start, start + count) != -1:
-            raise KVChunkError(
-                bad,
-                f"duplicate chunk: layer {chunk.layer} tokens [{start}, {start + count}) "
-                "overlap tokens already received",
-            )
-        covered[start : start + count] = b"\x01" * count
-        self.received_token_layers += count
+        for layer in range(first, first + nl):
+            if self._covered[layer].find(1, start, start + count) != -1:
+                raise KVChunkError(
+                    bad,
+                    f"duplicate chunk: layer {layer} tokens [{start}, {start + count}) "
+                    "overlap tokens already received",
+                )
+        shape = (count, self.num_kv_heads, self.head_dim)
+        out = []
+        for i, layer in enumerate(range(first, first + nl)):
+            self._covered[layer][start : start + count] = b"\x01" * count
+            piece = slice(i * per_layer, (i + 1) * per_layer)
+            k = torch.frombuffer(chunk.key[piece], dtype=self.torch_dtype).view(shape)
+            v = torch.frombuffer(chunk.value[piece], dtype=self.torch_dtype).view(shape)
+            out.append((layer, k, v))
+        self.received_token_layers += count * nl
         self.chunks += 1
         self.bytes += len(chunk.key) + len(chunk.value)
-        shape = (count, self.num_kv_heads, self.head_dim)
-        k = torch.frombuffer(chunk.key, dtype=self.torch_dtype).view(shape)
-        v = torch.frombuffer(chunk.value, dtype=self.torch_dtype).view(shape)
-        return k, v
+        return out
 
 
 # ---- prefill side: sending a transfer --------------------------------------------------------
@@ -394,19 +412,48 @@ class _Closed(Exception):
     pass
 
 
+@dataclass
+class _Batch:
+    """Small layer slices of one token range waiting to leave, merged into one message."""
+
+    layer: int
+    token_start: int
+    token_count: int
+    keys: list[bytes] = field(default_factory=list)
+    values: list[bytes] = field(default_factory=list)
+    nbytes: int = 0
+    last: bool = False
+
+    def encode(self, request_id: str, dtype: str) -> bytes:
+        return encode_kv_chunk(
+            request_id, self.layer, self.token_start, self.token_count, dtype,
+            self.keys, self.values, last=self.last, layer_count=len(self.keys),
+        )  # fmt: skip
+
+
+_Item = bytes | _Batch | None  # a finished message, a mergeable batch, or the end
+
+
 class ChunkQueue:
     """Bounded by bytes, between the engine thread (put blocks when full: backpressure) and the
-    gRPC request iterator. `close` wakes both sides; puts after close are dropped."""
+    gRPC request iterator. A small slice can join the batch at the tail while the sender has not
+    taken it yet (`merge_small`). `close` wakes both sides; puts after close are dropped."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._items: deque[bytes | None] = deque()
+        self._items: deque[_Item] = deque()
         self._bytes = 0
         self._closed = False
         self._cond = threading.Condition()
 
-    def put(self, item: bytes | None) -> bool:
-        size = len(item) if item is not None else 0
+    @staticmethod
+    def _size(item: _Item) -> int:
+        if item is None:
+            return 0
+        return item.nbytes if isinstance(item, _Batch) else len(item)
+
+    def put(self, item: _Item) -> bool:
+        size = self._size(item)
         with self._cond:
             # An item larger than the whole budget still goes in once the queue is empty.
             while not self._closed and self._items and self._bytes + size > self.max_bytes:
@@ -418,15 +465,40 @@ class ChunkQueue:
             self._cond.notify_all()
             return True
 
-    def get(self) -> bytes | None:
-        """Next message, or None at the end of the stream; raises _Closed if closed early."""
+    def merge_small(
+        self, layer: int, start: int, count: int, k: bytes, v: bytes, last: bool, limit: int
+    ) -> bool:
+        """Append a slice to the tail batch if it continues it (same tokens, next layer) and
+        stays within `limit` bytes; else queue a new batch. False once closed."""
+        size = len(k) + len(v)
+        with self._cond:
+            tail = self._items[-1] if self._items else None
+            if (
+                isinstance(tail, _Batch)
+                and not self._closed
+                and tail.token_start == start
+                and tail.token_count == count
+                and tail.layer + len(tail.keys) == layer
+                and tail.nbytes + size <= limit
+            ):
+                tail.keys.append(k)
+                tail.values.append(v)
+                tail.nbytes += size
+                tail.last = last
+                self._bytes += size
+                self._cond.notify_all()
+                return True
+        return self.put(_Batch(layer, start, count, [k], [v], size, last))
+
+    def get(self) -> _Item:
+        """Next item, or None at the end of the stream; raises _Closed if closed early."""
         with self._cond:
             while not self._items and not self._closed:
                 self._cond.wait()
             if not self._items:
                 raise _Closed
             item = self._items.popleft()
-            self._bytes -= len(item) if item is not None else 0
+            self._bytes -= self._size(item)
             self._cond.notify_all()
             return item
 
@@ -466,6 +538,7 @@ class KVSender:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
         timeout: float | None = None,
+        hold_until_done: bool = False,
     ) -> None:
         self.pool = pool
         self.endpoint = endpoint
@@ -483,6 +556,10 @@ class KVSender:
         self._first_send: float | None = None
         self._call: Any = None
         self.future: Future[TransferResult] = Future()
+        # Ablation (bench/kv_transfer.py): keep every message until prefill ends, then send,
+        # i.e. no layer-wise overlap. Unbounded by design; never the serving default.
+        self.hold_until_done = hold_until_done
+        self._held: list[bytes] = []
 
     # engine thread
     def on_kv(
@@ -499,19 +576,46 @@ class KVSender:
             cnt = min(step, n - off)
             self.sent_token_layers += cnt
             last = self.sent_token_layers >= self.expected_token_layers
-            msg = encode_kv_chunk(
-                request_id,
-                layer,
-                token_start + off,
-                cnt,
-                self.dtype,
-                kb[off * per_token : (off + cnt) * per_token],
-                vb[off * per_token : (off + cnt) * per_token],
-                last=last,
-            )
+            kpart = kb[off * per_token : (off + cnt) * per_token]
+            vpart = vb[off * per_token : (off + cnt) * per_token]
             self.bytes += 2 * cnt * per_token
-            self.chunks += 1
-            if not self.queue.put(msg):
+            if self.hold_until_done:
+                self.chunks += 1
+                self._held.append(
+                    encode_kv_chunk(
+                        request_id,
+                        layer,
+                        token_start + off,
+                        cnt,
+                        self.dtype,
+                        kpart,
+                        vpart,
+                        last=last,
+                    )  # fmt: skip
+                )
+                continue
+            if 2 * cnt * per_token <= self.chunk_bytes // SMALL_FRACTION:
+                # Small slice (short prompt or many layers): copy it out now and let it ride
+                # with the next layers in one message, since per-message cost dominates here.
+                ok = self.queue.merge_small(
+                    layer, token_start + off, cnt, bytes(kpart), bytes(vpart), last,
+                    self.chunk_bytes,
+                )  # fmt: skip
+            else:
+                self.chunks += 1
+                ok = self.queue.put(
+                    encode_kv_chunk(
+                        request_id,
+                        layer,
+                        token_start + off,
+                        cnt,
+                        self.dtype,
+                        kpart,
+                        vpart,
+                        last=last,
+                    )  # fmt: skip
+                )
+            if not ok:
                 return  # the stream already failed; the caller sees it in `future`
             if last:
                 self.queue.put(None)
@@ -527,6 +631,9 @@ class KVSender:
                 return
             if self._first_send is None:
                 self._first_send = time.monotonic()
+            if isinstance(item, _Batch):
+                self.chunks += 1
+                item = item.encode(self.request_id, self.dtype)
             yield item
 
     def start(self) -> None:
@@ -558,6 +665,15 @@ class KVSender:
                 acked=acked,
             )
         )
+
+    def release_held(self) -> None:
+        """Send-after-prefill ablation: prefill is done, let the held messages go."""
+        held, self._held = self._held, []
+        for msg in held:
+            if not self.queue.put(msg):
+                return
+        if held:
+            self.queue.put(None)
 
     def finish_incomplete(self) -> None:
         """Prefill ended but not every token-layer was queued (should not happen with a correct

@@ -40,6 +40,7 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
         self.loop = worker.loop
         self.pool = ChannelPool()
         self._active = 0
+        self.send_after_prefill = worker.settings.kv_send_after_prefill
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_PrefillServiceServicer_to_server(self, server)
@@ -79,7 +80,13 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
 
         spec = self.w.spec
         sender = KVSender(
-            self.pool, request.decode_endpoint, rid, len(prompt), spec.num_layers, spec.dtype
+            self.pool,
+            request.decode_endpoint,
+            rid,
+            len(prompt),
+            spec.num_layers,
+            spec.dtype,
+            hold_until_done=self.send_after_prefill,
         )
         sender.start()
         transfer = asyncio.wrap_future(sender.future)
@@ -128,6 +135,7 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
                     await context.abort(
                         grpc.StatusCode.INTERNAL, f"prefill of {rid} ended without a token"
                     )
+            sender.release_held()
             sender.finish_incomplete()
             if transfer.done() and transfer.exception() is not None:
                 code, details = _rpc_error_status(transfer.exception())  # type: ignore[arg-type]
@@ -171,6 +179,11 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     rt.add_arguments(parser)
+    parser.add_argument(
+        "--kv-send-after-prefill",
+        action="store_true",
+        help="ablation for benchmarks: send the KV only after prefill ends (no layer-wise overlap)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

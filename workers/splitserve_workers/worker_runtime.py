@@ -50,6 +50,7 @@ class WorkerSettings:
     drain_timeout_s: float
     lease_s: float
     threads: int | None
+    kv_send_after_prefill: bool = False  # prefill ablation (bench/kv_transfer.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +122,7 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
         drain_timeout_s=args.drain_timeout,
         lease_s=pick(args.lease_seconds, cfg.decode.reservation_lease_seconds),
         threads=args.threads,
+        kv_send_after_prefill=getattr(args, "kv_send_after_prefill", False),
     )
     for name in ("max_batch_tokens", "max_batch_size", "block_size", "kv_cache_memory_bytes"):
         if getattr(settings, name) < 1:

@@ -79,7 +79,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_ms: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "layer", "token_start", "token_count", "dtype", "key", "value", "last")
+    __slots__ = ("request_id", "layer", "token_start", "token_count", "dtype", "key", "value", "last", "layer_count")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class KVChunk(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layer: int
     token_start: int
@@ -96,7 +97,8 @@ class KVChunk(_message.Message):
     key: bytes
     value: bytes
     last: bool
-    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., dtype: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    layer_count: int
+    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., dtype: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., last: _Optional[bool] = ..., layer_count: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("chunks", "bytes")
