@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import urllib.request
-from pathlib import Path
+import uuid
 from typing import Any
 
 import pytest
@@ -359,12 +359,10 @@ def test_crd_defaults_and_printer_columns(control_plane: Any, namespace: str) ->
     assert table == ["NAME", "READY", "PREFILL", "DECODE", "TTFT", "TPOT", "AGE"]
 
 
-def test_fifty_services_in_five_namespaces(
-    control_plane: Any, operator: OperatorProcess, tmp_path: Path
-) -> None:
+def test_fifty_services_in_five_namespaces(control_plane: Any, operator: OperatorProcess) -> None:
     cp = control_plane
-    namespaces = [cp.create_namespace(f"fleet-{i}-{tmp_path.name[-6:].lower()}")
-                  for i in range(5)]  # fmt: skip
+    run = uuid.uuid4().hex[:6]
+    namespaces = [cp.create_namespace(f"fleet-{run}-{i}") for i in range(5)]
     try:
         docs = []
         for i in range(50):
