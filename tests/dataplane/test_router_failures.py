@@ -7,6 +7,7 @@ served through the same API."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -214,13 +215,19 @@ def test_decode_killed_mid_stream_ends_with_error_event(
     assert 'status="error"' in metrics
 
 
-def test_colocated_pool_behind_the_same_api(
+def test_colocated_pool_via_dns_discovery_and_router_drain(
     tiny_model: Path, launch_worker: Any, worker_flags: Any
 ) -> None:
     colocated = launch_worker("colocated", worker_flags(tiny_model, "--num-kv-blocks", "128"))
-    router = launch_worker("router", router_args(tiny_model, "--colocated", colocated.endpoint))
+    # DNS discovery as on Kubernetes: the name resolves (A record) to the worker's address.
+    router = launch_worker(
+        "router",
+        router_args(tiny_model, "--discovery", "dns", "--colocated", f"localhost:{colocated.port}"),
+    )
     base = f"http://127.0.0.1:{router.port}"
     wait_ready(base)
+    workers = httpx.get(base + "/debug/workers", timeout=10).json()
+    assert [w["endpoint"] for w in workers["colocated"]] == [colocated.endpoint]
     c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
     messages = [{"role": "user", "content": "hello colocated"}]
     stream = c.chat.completions.create(
@@ -232,6 +239,28 @@ def test_colocated_pool_behind_the_same_api(
     assert whole.usage is not None and whole.usage.completion_tokens >= 1
     text = httpx.get(base + "/metrics", timeout=10).text
     assert "splitserve_time_to_first_token_seconds_count" in text
+
+    # SIGTERM: the router stops taking requests but lets the one in flight finish.
+    body = {"prompt": "drain me", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    events: list[Any] = []
+    with (
+        httpx.Client(timeout=WAIT_S) as client,
+        client.stream("POST", base + "/v1/completions", json=body) as r,
+    ):
+        for event in sse_events(r):
+            events.append(event)
+            if len(events) == 1:
+                router.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.2)  # let the signal land; the stream has seconds left to run
+                refused = httpx.post(
+                    base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10
+                )
+                assert refused.status_code == 503
+                assert httpx.get(base + "/ready", timeout=10).status_code == 503
+    assert events[-1] == "[DONE]"
+    finished = [e for e in events if isinstance(e, dict) and e["choices"][0]["finish_reason"]]
+    assert [e["choices"][0]["finish_reason"] for e in finished] == ["length"]
+    assert router.proc.wait(timeout=WAIT_S) == 0
 
 
 def test_request_no_decode_worker_can_hold_is_refused_at_once(
