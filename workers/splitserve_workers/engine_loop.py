@@ -32,6 +32,7 @@ class RequestStream:
     request_id: str
     queue: asyncio.Queue[list[Any] | BaseException] = field(default_factory=asyncio.Queue)
     submitted_at: float = field(default_factory=time.monotonic)
+    produced_at: float = 0.0  # when the engine thread returned this request's latest outputs
     finished: bool = False
 
     async def next_batch(self) -> list[Any]:
@@ -172,11 +173,11 @@ class EngineLoop:
             by_request.setdefault(out.request_id, []).append(out)
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._deliver, by_request)
+            self._loop.call_soon_threadsafe(self._deliver, by_request, time.monotonic())
         except RuntimeError:
             pass  # event loop closed during shutdown
 
-    def _deliver(self, by_request: dict[str, list[Any]]) -> None:
+    def _deliver(self, by_request: dict[str, list[Any]], produced_at: float) -> None:
         for request_id, outs in by_request.items():
             with self._lock:
                 stream = self._streams.get(request_id)
@@ -186,6 +187,7 @@ class EngineLoop:
                 continue
             if any(o.finished for o in outs):
                 stream.finished = True
+            stream.produced_at = produced_at
             stream.queue.put_nowait(outs)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -118,7 +118,8 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
                     return
                 for o in outs:
                     if o.token_id is not None and first is None:
-                        compute_end = time.monotonic()
+                        # When the engine thread had the token, not when we woke up.
+                        compute_end = stream.produced_at or time.monotonic()
                         started = sender.first_kv_at or compute_end
                         first = pb.FirstToken(
                             token_id=o.token_id,

@@ -1,0 +1,186 @@
+"""The pure parts of the KV path without processes: the hand-written KVChunk wire format against
+the generated protobuf classes, chunk validation, the sender's bounded queue (backpressure,
+batching of small layers, close) and the reservation leases with an injected clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from splitserve_workers.kv_transfer import (
+    ChunkQueue,
+    KVChunkError,
+    TransferTracker,
+    _Batch,
+    check_compatible,
+    encode_kv_chunk,
+    parse_kv_chunk,
+    tensor_bytes,
+)
+from splitserve_workers.proto import serving_pb2 as pb
+from splitserve_workers.reservations import Failure, Reservations, State
+
+HEADS, DIM = 2, 4
+
+
+def kv(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(n, HEADS, DIM).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_encoded_chunk_is_plain_protobuf_and_parses_back(dtype: torch.dtype) -> None:
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    k, v = kv(5, dtype), kv(5, dtype)
+    data = encode_kv_chunk("r", 3, 7, 5, name, tensor_bytes(k), tensor_bytes(v), last=True)
+    msg = pb.KVChunk.FromString(data)
+    assert (msg.request_id, msg.layer, msg.token_start, msg.token_count, msg.dtype, msg.last) == (
+        "r", 3, 7, 5, name, True,
+    )  # fmt: skip
+    assert msg.key == bytes(tensor_bytes(k)) and msg.layer_count == 0
+    view = parse_kv_chunk(data)
+    assert view.malformed is None and view.layer_count == 1
+    tracker = TransferTracker("r", 12, 4, HEADS, DIM, name)
+    [(layer, k2, v2)] = tracker.accept(view)
+    assert layer == 3 and torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_generated_serialization_parses_too() -> None:
+    k = kv(2)
+    msg = pb.KVChunk(
+        request_id="x", layer=-1, token_start=-5, token_count=2, dtype="float32",
+        key=bytes(tensor_bytes(k)), value=bytes(tensor_bytes(k)), layer_count=3,
+    )  # fmt: skip
+    view = parse_kv_chunk(msg.SerializeToString())
+    assert (view.layer, view.token_start, view.layer_count) == (-1, -5, 3)
+    assert bytes(view.key) == msg.key
+
+
+def test_layer_batch_splits_into_layers() -> None:
+    ks = [kv(3) for _ in range(3)]
+    vs = [kv(3) for _ in range(3)]
+    batch = _Batch(
+        1, 0, 3, [bytes(tensor_bytes(t)) for t in ks], [bytes(tensor_bytes(t)) for t in vs]
+    )
+    tracker = TransferTracker("r", 3, 4, HEADS, DIM, "float32")
+    out = tracker.accept(parse_kv_chunk(batch.encode("r", "float32")))
+    assert [layer for layer, _, _ in out] == [1, 2, 3]
+    assert all(torch.equal(k, ks[i]) and torch.equal(v, vs[i]) for i, (_, k, v) in enumerate(out))
+    assert tracker.received_token_layers == 9 and not tracker.complete
+
+
+def test_malformed_bytes_do_not_raise() -> None:
+    assert "not a KVChunk" in (parse_kv_chunk(b"\x0a\x05ab").malformed or "")
+    assert "not a KVChunk" in (parse_kv_chunk(b"\xff").malformed or "")
+    assert parse_kv_chunk(b"").malformed is None  # an empty message is all defaults
+
+
+def test_tracker_rejects_with_field_names() -> None:
+    t = TransferTracker("r", 10, 2, HEADS, DIM, "float32")
+
+    def chunk(**kw: object) -> bytes:
+        fields = dict(request_id="r", layer=0, token_start=0, token_count=2, dtype="float32")
+        fields.update(kw)
+        n = int(fields["token_count"]) * HEADS * DIM * 4  # type: ignore[call-overload]
+        fields.setdefault("key", b"\0" * n)
+        fields.setdefault("value", b"\0" * n)
+        return pb.KVChunk(**fields).SerializeToString()  # type: ignore[arg-type]
+
+    cases = {
+        "key: 3 bytes": chunk(key=b"abc"),
+        "dtype": chunk(dtype="bfloat16"),
+        "layer: 2": chunk(layer=2),
+        "layer: [1, 3)": chunk(layer=1, layer_count=2),
+        "token_start": chunk(token_start=9),
+        "request_id": chunk(request_id="s"),
+        "token_count: 0": chunk(token_count=0),
+    }
+    for expected, data in cases.items():
+        with pytest.raises(KVChunkError) as e:
+            t.accept(parse_kv_chunk(data))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert expected in e.value.message
+    t.accept(parse_kv_chunk(chunk()))
+    with pytest.raises(KVChunkError, match="duplicate"):
+        t.accept(parse_kv_chunk(chunk(token_start=1)))
+    assert t.accept(parse_kv_chunk(chunk(token_count=0, last=True))) == []  # bare end marker
+
+
+def test_compatibility_names_the_first_mismatch() -> None:
+    a = pb.ModelSpec(model="m@1", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=4)
+    b = pb.ModelSpec()
+    b.CopyFrom(a)
+    b.block_size = 32  # informational only
+    assert check_compatible(a, b) is None
+    b.head_dim = 8
+    assert check_compatible(a, b) == "incompatible: head_dim 8 != this worker's 4"
+
+
+def test_queue_backpressure_and_close() -> None:
+    q = ChunkQueue(max_bytes=10)
+    assert q.put(b"x" * 8)
+    blocked = threading.Event()
+    done = threading.Event()
+
+    def producer() -> None:
+        blocked.set()
+        q.put(b"y" * 8)  # over budget: waits until the consumer takes the first
+        done.set()
+
+    threading.Thread(target=producer, daemon=True).start()
+    blocked.wait()
+    time.sleep(0.05)
+    assert not done.is_set()
+    assert q.get() == b"x" * 8
+    assert done.wait(5)
+    assert q.get() == b"y" * 8
+    q.close()
+    assert q.put(b"late") is False
+
+
+def test_queue_merges_small_slices_of_consecutive_layers() -> None:
+    q = ChunkQueue(max_bytes=1 << 20)
+    for layer in range(3):
+        assert q.merge_small(layer, 0, 2, b"k" * 4, b"v" * 4, layer == 2, limit=1000)
+    q.merge_small(5, 0, 2, b"k" * 4, b"v" * 4, False, limit=1000)  # not the next layer
+    first, second = q.get(), q.get()
+    assert isinstance(first, _Batch) and len(first.keys) == 3 and first.last
+    assert isinstance(second, _Batch) and second.layer == 5
+
+
+def test_reservation_leases() -> None:
+    released: list[str] = []
+    table = Reservations(released.append, lease_s=1.0, deadline_s=3.0)
+
+    def add(rid: str, now: float):
+        return table.add(rid, TransferTracker(rid, 4, 1, HEADS, DIM, "float32"), now)
+
+    idle = add("idle", 0.0)
+    busy = add("busy", 0.0)
+    done = add("done", 0.0)
+    table.mark_complete(done, 0.5)
+    table.touch(busy, 0.9)
+    assert table.expire(1.2) == [idle] and released == ["idle"]
+    assert idle.failure is not None and idle.failure.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "stalled" in idle.failure.message
+    assert table.expire(1.6) == [done] and released == ["idle", "done"]  # no Generate came
+    table.touch(busy, 2.5)
+    assert table.expire(2.9) == []  # chunks keep coming...
+    assert table.expire(3.1) == [busy]  # ...but the deadline holds
+    assert busy.failure is not None and "not complete within" in busy.failure.message
+    assert table.live == 0 and released == ["idle", "done", "busy"]
+
+
+def test_release_waits_for_imports_in_flight() -> None:
+    released: list[str] = []
+    table = Reservations(released.append, lease_s=10.0)
+    res = table.add("r", TransferTracker("r", 4, 1, HEADS, DIM, "float32"), 0.0)
+    res.busy = 1
+    assert table.fail(res, Failure(grpc.StatusCode.CANCELLED, "x", "cancelled"), 1.0)
+    assert released == [] and res.state is State.FAILED
+    table.import_done(res)
+    assert released == ["r"]
+    assert not table.fail(res, Failure(grpc.StatusCode.CANCELLED, "x", "cancelled"), 2.0)
+    assert released == ["r"]  # exactly once
