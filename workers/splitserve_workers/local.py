@@ -322,7 +322,12 @@ async def stream_chat(
     }
 
 
-async def run_demo(base: str, model: str) -> None:
+async def run_demo(base: str, model: str, random_weights: bool) -> None:
+    if random_weights:
+        print(
+            "(the built-in model has random weights: its text is noise; the requests, the "
+            "streaming and the timings are real)"
+        )
     results = []
     for i, prompt in enumerate(DEMO_PROMPTS, 1):
         print(f"\n[{i}/{len(DEMO_PROMPTS)}] user: {prompt}\nassistant: ", end="", flush=True)
@@ -355,7 +360,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="colocated workers instead of prefill+decode pools",
     )
-    parser.add_argument("--port", type=int, default=8000, help="router port (0 = pick free)")
+    parser.add_argument(
+        "--port", type=int, help="router port (default 8000; with --demo a free one; 0 = free)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="router listen address")
     parser.add_argument("--device", default="auto", help="worker device: auto|cpu|cuda|cuda:N")
     parser.add_argument(
@@ -433,7 +440,8 @@ async def _up(
             "--model",
             str(model),
             "--port",
-            str(args.port),
+            # The demo exits by itself: any free port, so it never collides with a real `up`.
+            str(args.port if args.port is not None else (0 if args.demo else 8000)),
             "--host",
             args.host,
         ]
@@ -460,7 +468,7 @@ async def _up(
         )
         print(f"READY role=up port={router.port}", flush=True)
         if args.demo:
-            demo = asyncio.ensure_future(run_demo(base, model_name))
+            demo = asyncio.ensure_future(run_demo(base, model_name, random_weights=not args.model))
             stopper = asyncio.ensure_future(stop.wait())
             racing: set[asyncio.Future[Any]] = {demo, stopper}
             done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
