@@ -309,9 +309,7 @@ class Router:
             )
             run = _Run(self, req, flow, rid, prompt_ids, prompt_text, arrival)
             try:
-                response = await (run.stream(request) if req.stream else run.complete())
-                status = run.status
-                return response
+                return await (run.stream(request) if req.stream else run.complete())
             finally:
                 status = run.status
                 run.record()
