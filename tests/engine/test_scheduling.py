@@ -261,3 +261,27 @@ def test_kv_sizing_and_stats(make_engine: Callable[..., LLMEngine]) -> None:
     s = engine.stats()
     assert (s.num_decode_tokens, s.num_running) == (1, 0)
     assert s.free_blocks == s.total_blocks == engine.num_kv_blocks
+
+
+def test_failed_forward_pass_fails_its_batch_and_frees_blocks(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine()
+    runner = engine.model_runner
+    real_decode = runner.run_decode
+    calls = {"n": 0}
+
+    def flaky_decode(seqs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fell over")
+        return real_decode(seqs)
+
+    runner.run_decode = flaky_decode  # type: ignore[method-assign]
+    engine.add_request("a", prompt_ids(engine, 6), GREEDY)
+    engine.add_request("b", prompt_ids(engine, 7, salt=1), GREEDY)
+    outs = drain(engine)
+    assert {r: o[-1].finish_reason for r, o in outs.items()} == {"a": "error", "b": "error"}
+    assert [len(o) for o in outs.values()] == [3, 3]  # first token, one decode, the error
+    assert engine.stats().free_blocks == engine.num_kv_blocks
+    assert engine.generate([prompt_ids(engine, 6)], GREEDY)  # still serving

@@ -8,7 +8,8 @@ the step thread never reads during a forward pass.
 
 Additions to the shared contract (nothing in it changed):
 - finish_reason "error": a request whose on_kv callback raised is finished with it (its blocks
-  are freed; the other requests of the batch carry on). The exception is logged.
+  are freed; the other requests of the batch carry on); so is every request of a forward pass
+  that raised (step() logs the exception and returns, the engine keeps serving).
 - A seeded request draws token i from a generator seeded with (seed, i), so a disaggregated run
   (first token on one engine, the rest on another) samples exactly what a local run samples.
 - A prefill_only request always finishes with "prefill_done", even if its first token is EOS;
@@ -275,19 +276,33 @@ class LLMEngine:
             seqs, counts = batch.seqs, batch.num_new_tokens
 
         # Forward pass and sampling without the lock: other threads only queue work meanwhile.
-        if batch.is_prefill:
-            logits, done = self.model_runner.run_prefill(seqs, counts)
-        else:
-            logits = self.model_runner.run_decode(seqs)
-            done = list(range(len(seqs)))
-        sampled = [seqs[i] for i in done]
-        for seq in sampled:
-            if seq.generator is not None:
-                assert seq.params.seed is not None
-                seq.generator.manual_seed(_token_seed(seq.params.seed, seq.num_output_tokens))
-        tokens, logprobs = sample(
-            logits, [s.params for s in sampled], [s.generator for s in sampled]
-        )
+        try:
+            if batch.is_prefill:
+                logits, done = self.model_runner.run_prefill(seqs, counts)
+            else:
+                logits = self.model_runner.run_decode(seqs)
+                done = list(range(len(seqs)))
+            sampled = [seqs[i] for i in done]
+            for seq in sampled:
+                if seq.generator is not None:
+                    assert seq.params.seed is not None
+                    seq.generator.manual_seed(_token_seed(seq.params.seed, seq.num_output_tokens))
+            tokens, logprobs = sample(
+                logits, [s.params for s in sampled], [s.generator for s in sampled]
+            )
+        except Exception:
+            # A failed pass fails its batch, not the engine: answer and free those requests.
+            log.exception("forward pass failed for %d requests", len(seqs))
+            with self._lock:
+                self._apply_aborts()
+                for seq in seqs:
+                    if seq.status is not SequenceStatus.FINISHED:
+                        self._finish(seq, "error")
+                        outputs.append(self._output(seq, None, None))
+                outputs.extend(self._outputs)
+                self._outputs = []
+                self._stats = self._snapshot(IterationStats(batch_size=len(seqs)))
+            return outputs
         sampled_at = {id(s): j for j, s in enumerate(sampled)}
 
         with self._lock:

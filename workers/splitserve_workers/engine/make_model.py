@@ -270,7 +270,9 @@ def write_model(
     if vocab_size < tok_size:
         raise ValueError(f"preset {preset_name}: vocab_size {vocab_size} < tokenizer {tok_size}")
     tok.save(str(out / "tokenizer.json"))
-    bos_id, eos_id, im_end_id = (tok.token_to_id(t) for t in (BOS, EOS, IM_END))
+    special = {t: tok.token_to_id(t) for t in (BOS, EOS, IM_END)}
+    assert all(i is not None for i in special.values()), "special tokens missing"
+    bos_id, eos_id, im_end_id = (int(special[t] or 0) for t in (BOS, EOS, IM_END))
     eos_ids = [eos_id, im_end_id]
 
     cfg = model_config_dict(p, vocab_size, bos_id, eos_ids)

@@ -73,8 +73,8 @@ class ModelConfig:
         window_active = window is not None and (
             arch == "MistralForCausalLM" or bool(cfg.get("use_sliding_window", False))
         )
-        if window_active and int(window) < max_len:
-            max_len = int(window)
+        if window_active and int(window or 0) < max_len:
+            max_len = int(window or 0)
         rope_theta = float(cfg.get("rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling")
         # Configs saved by transformers >= 5 keep both in one `rope_parameters` dict.

@@ -9,6 +9,7 @@ batching live in layers/attention.py and model_runner.py; weights come from load
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None, "init_rotary() was not called"
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
             h, k, v = layer.self_attn(
                 layer.input_layernorm(x), cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta
             )
