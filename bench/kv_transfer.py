@@ -44,8 +44,9 @@ PAYLOADS_MB = [1, 4, 16, 64, 256, 512]
 
 
 class BenchEngine:
-    """Just enough engine for DecodeRole.Reserve/PushKV/Abort: a preallocated cache per request
-    that import_kv copies into (the decode worker's write into its blocks)."""
+    """Just enough engine for DecodeRole.Reserve/PushKV/Abort. Like a real decode worker it owns
+    one KV cache allocated (and touched) at startup, which import_kv copies into; transfers run
+    one at a time here, so every reservation may use the same region."""
 
     def __init__(self) -> None:
         self.model_config = SimpleNamespace(
@@ -54,22 +55,21 @@ class BenchEngine:
         self.dtype = torch.bfloat16
         self.block_size = 16
         self.num_kv_blocks = 1 << 20
-        self._cache: dict[str, torch.Tensor] = {}
+        max_tokens = ((max(PAYLOADS_MB) << 20) // BYTES_PER_TOKEN) + 1
+        self._cache = torch.zeros(LAYERS, 2, max_tokens, HEADS, HEAD_DIM, dtype=self.dtype)
 
     def reserve(self, request_id: str, n: int) -> bool:
-        self._cache[request_id] = torch.empty(LAYERS, 2, n, HEADS, HEAD_DIM, dtype=self.dtype)
-        return True
+        return n <= self._cache.shape[2]
 
     def import_kv(self, request_id: str, layer: int, start: int, k: Any, v: Any) -> None:
-        c = self._cache[request_id]
-        c[layer, 0, start : start + k.shape[0]].copy_(k)
-        c[layer, 1, start : start + v.shape[0]].copy_(v)
+        self._cache[layer, 0, start : start + k.shape[0]].copy_(k)
+        self._cache[layer, 1, start : start + v.shape[0]].copy_(v)
 
     def release(self, request_id: str) -> None:
-        self._cache.pop(request_id, None)
+        return None
 
     def abort(self, request_id: str) -> bool:
-        return self._cache.pop(request_id, None) is not None
+        return True
 
     def stats(self) -> Any:
         return SimpleNamespace(free_blocks=self.num_kv_blocks)
@@ -129,6 +129,28 @@ def receiver_main(ports: Any) -> None:
             options=kv_channel_options(), compression=grpc.Compression.NoCompression
         )
         role.register(server)
+
+        async def sink(messages: Any, context: Any) -> Any:
+            n = 0
+            async for m in messages:
+                n += len(m)
+            return pb.PushKVResponse(bytes=n)
+
+        # The transport ceiling: the same messages into a handler that only counts them.
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "bench.Sink",
+                    {
+                        "Push": grpc.stream_unary_rpc_method_handler(
+                            sink,
+                            request_deserializer=lambda b: b,
+                            response_serializer=pb.PushKVResponse.SerializeToString,
+                        )
+                    },
+                ),
+            )
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         ports.put((port, sock.getsockname()[1]))
@@ -164,6 +186,20 @@ def grpc_transfer(
     return time.perf_counter() - t0
 
 
+def sink_transfer(pool: Any, endpoint: str, messages: list[bytes]) -> float:
+    """Already-encoded messages into the counting handler: gRPC's own cost, none of ours."""
+    from splitserve_workers.proto import serving_pb2 as pb
+
+    push = pool.get(endpoint).stream_unary(
+        "/bench.Sink/Push",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.PushKVResponse.FromString,
+    )
+    t0 = time.perf_counter()
+    push(iter(messages))
+    return time.perf_counter() - t0
+
+
 def socket_transfer(sock: socket.socket, k: torch.Tensor, v: torch.Tensor) -> float:
     """The same bytes over one TCP connection: each layer's key and value sent from the tensors'
     memory (no extra copy), then wait for the ack."""
@@ -181,7 +217,7 @@ def socket_transfer(sock: socket.socket, k: torch.Tensor, v: torch.Tensor) -> fl
 
 def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[dict[str, float]]:
     import grpc
-    from splitserve_workers.kv_transfer import ChannelPool
+    from splitserve_workers.kv_transfer import ChannelPool, encode_kv_chunk, tensor_bytes
     from splitserve_workers.proto import serving_pb2_grpc as pbg
 
     ctx = mp.get_context("spawn")
@@ -205,19 +241,26 @@ def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[d
             # shared machine hits both alike; report the median.
             grpc_transfer(stub, pool, endpoint, f"warm-{i}", n_tokens, k, v, chunk_bytes)
             socket_transfer(sock, k, v)
-            g, s = [], []
+            messages = [
+                encode_kv_chunk("sink", layer, 0, n_tokens, DTYPE, tensor_bytes(k), tensor_bytes(v))
+                for layer in range(LAYERS)
+            ]
+            g, s, f = [], [], []
             for r in range(repeats):
                 g.append(
                     grpc_transfer(stub, pool, endpoint, f"r{i}-{r}", n_tokens, k, v, chunk_bytes)
                 )
                 s.append(socket_transfer(sock, k, v))
-            gt, st = statistics.median(g), statistics.median(s)
+                f.append(sink_transfer(pool, endpoint, messages))
+            gt, st, ft = statistics.median(g), statistics.median(s), statistics.median(f)
             rows.append(
                 {
                     "payload_bytes": payload,
                     "grpc_bytes_per_s": payload / gt,
                     "socket_bytes_per_s": payload / st,
                     "ratio": st / gt,
+                    # Context: bare gRPC streaming of the same messages (one per layer).
+                    "grpc_transport_bytes_per_s": payload / ft,
                 }
             )
             print_row(rows[-1])
@@ -231,7 +274,8 @@ def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[d
 def print_row(r: dict[str, float]) -> None:
     print(
         f"{r['payload_bytes'] / 1e6:>10.1f} MB  grpc {r['grpc_bytes_per_s'] / 1e6:>8.0f} MB/s  "
-        f"socket {r['socket_bytes_per_s'] / 1e6:>8.0f} MB/s  ratio {r['ratio']:.2f}",
+        f"socket {r['socket_bytes_per_s'] / 1e6:>8.0f} MB/s  ratio {r['ratio']:.2f}  "
+        f"(bare gRPC transport {r['grpc_transport_bytes_per_s'] / 1e6:>6.0f} MB/s)",
         flush=True,
     )
 

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = "splitserve.v1.DecodeService"
 # Chunks up to this size are imported on the event loop; larger ones on the import thread.
-INLINE_IMPORT_BYTES = 256 << 10
+INLINE_IMPORT_BYTES = 2 << 20
 MAX_PENDING_IMPORTS = 2
 
 
