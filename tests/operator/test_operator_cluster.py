@@ -379,8 +379,15 @@ def test_fifty_services_in_five_namespaces(control_plane: Any, operator: Operato
                 }
             )
         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
-        for doc in docs:
-            wait_ready(cp, doc["metadata"]["namespace"], doc["metadata"]["name"], timeout=600)
+        names = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs}
+
+        def all_ready() -> bool:  # one list call per poll: 50 kubectl calls would eat the CPU
+            items = get_json(cp, "llmservices", "-A")["items"]
+            ready = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in items
+                     if is_ready(o)}  # fmt: skip
+            return names <= ready
+
+        wait_until(all_ready, "50 LLMServices Ready", timeout=900)
         all_deps = get_json(
             cp, "deployments", "-A", "-l", "app.kubernetes.io/managed-by=splitserve-operator"
         )["items"]

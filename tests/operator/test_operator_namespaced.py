@@ -1,0 +1,75 @@
+"""The chart's default mode on the real control plane: an operator watching only its release
+namespace with namespaced Roles (no cluster-wide access to LLMServices or children), and kopf
+peering between two replicas: the one of lower priority pauses."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from operator_process import (
+    REPO_ROOT,
+    OperatorProcess,
+    get_json,
+    install_chart,
+    is_ready,
+    wait_until,
+)
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def release_namespace(control_plane: Any) -> Iterator[tuple[str, str]]:
+    namespace = control_plane.create_namespace(f"team-{uuid.uuid4().hex[:6]}")
+    sa = install_chart(control_plane, "teamops", namespace)  # defaults: this namespace only
+    try:
+        yield namespace, sa
+    finally:
+        control_plane.kubectl("delete", "llmservices", "--all", "-n", namespace, "--wait=true",
+                              check=False)  # fmt: skip
+        control_plane.helm("uninstall", "teamops", "-n", namespace, check=False)
+        control_plane.delete_namespace(namespace)
+
+
+def operator(cp: Any, namespace: str, sa: str, priority: int) -> OperatorProcess:
+    log = Path(cp.workdir) / "logs" / f"operator-{namespace}-{priority}.log"
+    kubeconfig = cp.kubeconfig_for_service_account(namespace, sa)
+    args = [f"--namespace={namespace}", "--peering=splitserve", f"--priority={priority}"]
+    return OperatorProcess(kubeconfig, args, log).start()
+
+
+def test_namespaced_roles_suffice_and_peers_do_not_both_act(
+    control_plane: Any, release_namespace: tuple[str, str]
+) -> None:
+    cp = control_plane
+    namespace, sa = release_namespace
+    # The release's ServiceAccount may not even read LLMServices elsewhere.
+    can = cp.kubectl("auth", "can-i", "list", "llmservices.splitserve.io", "-A",
+                     f"--as=system:serviceaccount:{namespace}:{sa}", check=False)  # fmt: skip
+    assert can.stdout.strip() == "no"
+    leader = operator(cp, namespace, sa, priority=200)
+    standby = operator(cp, namespace, sa, priority=100)
+    try:
+        # Both record themselves in the chart's KopfPeering; the standby starts paused and,
+        # seeing a live peer of higher priority, stays paused.
+        def peers() -> int:
+            obj = get_json(cp, "-n", namespace, "kopfpeering", "splitserve") or {}
+            return len(obj.get("status") or {})
+
+        wait_until(lambda: peers() == 2, "both operators in the KopfPeering")
+        cp.kubectl("apply", "-n", namespace, "-f",
+                   str(REPO_ROOT / "manifests" / "examples" / "tiny-cpu.yaml"))  # fmt: skip
+        wait_until(lambda: is_ready(get_json(cp, "-n", namespace, "llmservice", "tiny")),
+                   "tiny Ready under the namespaced operator", 180)  # fmt: skip
+        assert "reconcile-create" in leader.tail(400)
+        assert "reconcile-create" not in standby.tail(400)
+        assert "Resuming operations" not in standby.tail(400)
+    finally:
+        cp.kubectl("delete", "llmservices", "--all", "-n", namespace, "--wait=true",
+                   check=False)  # fmt: skip
+        standby.stop()
+        leader.stop()
