@@ -299,3 +299,15 @@ async def test_abort_frees_reservation(decode, dataplane):
     await expect_status(
         generate(dataplane, decode.endpoint, "aborted"), grpc.StatusCode.CANCELLED, "aborted"
     )
+
+
+async def test_retry_after_failed_transfer_reuses_the_id(decode, dataplane):
+    initial = await free_blocks(dataplane, decode.endpoint)
+    kv = await reserve(dataplane, decode.endpoint, "retry")
+    await expect_status(
+        push(dataplane, decode.endpoint, [kv.chunk(0, 0, 8, dtype="float16")]), INVALID, "dtype"
+    )
+    kv = await reserve(dataplane, decode.endpoint, "retry")  # accepted again
+    await push(dataplane, decode.endpoint, kv.full())
+    assert len(await generate(dataplane, decode.endpoint, "retry")) == 3
+    await wait_free(dataplane, decode.endpoint, initial)

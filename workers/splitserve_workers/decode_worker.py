@@ -135,6 +135,9 @@ class DecodeRole:
         why = check_compatible(self.w.spec, request.model)
         if why is not None:
             return refuse(why, "incompatible")
+        old = self.reservations.get(rid)
+        if old is not None and old.state is State.FAILED and old.released:
+            self.reservations.take(old)  # a retry after a failed transfer starts afresh
         if rid in self.reservations or rid in self._reserving:
             return refuse(f"duplicate request_id {rid!r}", "duplicate")
         self._reserving.add(rid)

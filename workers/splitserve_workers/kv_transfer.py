@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,7 +135,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def encode_kv_chunk(
@@ -144,8 +144,8 @@ def encode_kv_chunk(
     token_start: int,
     token_count: int,
     dtype: str,
-    key: bytes | memoryview | list[bytes | memoryview],
-    value: bytes | memoryview | list[bytes | memoryview],
+    key: bytes | memoryview | Sequence[bytes | memoryview],
+    value: bytes | memoryview | Sequence[bytes | memoryview],
     last: bool = False,
     layer_count: int = 1,
 ) -> bytes:
@@ -162,7 +162,7 @@ def encode_kv_chunk(
     ).SerializeToString()
     parts: list[bytes | memoryview] = [header]
     for tag, data in ((_KEY_TAG, key), (_VALUE_TAG, value)):
-        pieces = data if isinstance(data, list) else [data]
+        pieces = [data] if isinstance(data, bytes | memoryview) else list(data)
         n = sum(len(p) for p in pieces)
         if n:
             parts += [tag, _varint(n), *pieces]
