@@ -1,8 +1,8 @@
 """CPU benchmark: this engine against transformers `generate` on the same random-weight files.
 
 Measures prefill and decode tokens/s at several batch sizes (greedy, fixed prompt and output
-lengths, the same torch thread count for both), prints a table and writes
-bench/results/engine.json. Run: python bench/engine.py [--model DIR] [--threads 2].
+lengths, the same torch thread count for both; decode = batch / median step time), prints a
+table and writes bench/results/engine.json. Run: python bench/engine.py [--model DIR].
 Without --model it writes the `small` preset (~58M parameters) into a temporary directory.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,50 +27,62 @@ def prompts_for(batch: int, length: int, vocab: int, salt: int) -> list[list[int
     return torch.randint(4, vocab, (batch, length), generator=g).tolist()
 
 
-def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds): steps until every request has its first token, then
-    steps until all finish."""
+def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+    """(prefill seconds, decode step seconds): the steps until every request has its first
+    token, then each decode step."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     started = time.perf_counter()
-    prefill_done = None
+    prefill = 0.0
+    steps: list[float] = []
     first: set[str] = set()
     while engine.has_unfinished():
-        for out in engine.step():
-            first.add(out.request_id)
-        if prefill_done is None and len(first) == len(prompts):
-            prefill_done = time.perf_counter()
-    end = time.perf_counter()
-    assert prefill_done is not None
-    return prefill_done - started, end - prefill_done
+        t = time.perf_counter()
+        outs = engine.step()
+        if len(first) == len(prompts):
+            steps.append(time.perf_counter() - t)
+        first.update(o.request_id for o in outs)
+        if not prefill and len(first) == len(prompts):
+            prefill = time.perf_counter() - started
+    return prefill, steps
+
+
+class StepClock:
+    """A transformers streamer that only timestamps: put() is called with the prompt before the
+    prefill and with each new token right after its step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def reference(
     model: torch.nn.Module, prompts: list[list[int]], new_tokens: int
-) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) for transformers generate: a one-token generate is
-    the prefill; the rest of a full generate is the decode."""
+) -> tuple[float, list[float]]:
+    """(prefill seconds, decode step seconds) inside one transformers generate call."""
     ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-
-    def gen(n: int) -> float:
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False)  # fmt: skip
-        assert out.shape[1] == ids.shape[1] + n
-        return time.perf_counter() - started
-
-    prefill = gen(1)
-    total = gen(new_tokens)
-    return prefill, max(total - prefill, 1e-9)
+    clock = StepClock()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, streamer=clock)  # fmt: skip
+    assert out.shape[1] == ids.shape[1] + new_tokens and len(clock.times) == new_tokens + 1
+    t = clock.times
+    return t[1] - t[0], [b - a for a, b in zip(t[1:], t[2:], strict=False)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", help="HF-format directory (default: write the small preset)")
-    ap.add_argument("--threads", type=int, default=2)
+    # One thread by default: on a shared machine a 2-thread run mostly measures how often the
+    # second thread is descheduled at each parallel region. Pass --threads 2 on an idle box.
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -111,28 +124,34 @@ def main() -> int:
     warm = prompts_for(2, args.prompt_len, vocab, salt=99)
     ours(engine, warm, 4)
     reference(hf, warm, 4)
+    del warm
 
-    # The machine may be shared: alternate the two implementations and keep each one's best
-    # of --reps runs, so a burst of someone else's work does not decide the ratio.
+    # The machine may be shared: alternate the two implementations, keep the best prefill of
+    # --reps runs and the median decode step, so bursts of other work do not decide the ratio.
     rows = []
     for b in batches:
-        best = {"op": 1e9, "od": 1e9, "rp": 1e9, "rd": 1e9}
+        prefill = {"ours": 1e9, "transformers": 1e9}
+        steps: dict[str, list[float]] = {"ours": [], "transformers": []}
         for rep in range(args.reps):
             prompts = prompts_for(b, args.prompt_len, vocab, salt=1000 * b + rep)
-            op, od = ours(engine, prompts, args.new_tokens)
-            rp, rd = reference(hf, prompts, args.new_tokens)
-            for key, value in (("op", op), ("od", od), ("rp", rp), ("rd", rd)):
-                best[key] = min(best[key], value)
-        pre_tokens = b * args.prompt_len
-        dec_tokens = b * (args.new_tokens - 1)
-        for phase, mine, theirs, n in (("prefill", best["op"], best["rp"], pre_tokens),
-                                       ("decode", best["od"], best["rd"], dec_tokens)):  # fmt: skip
-            rows.append({
-                "phase": phase, "batch": b,
-                "ours_tokens_per_s": round(n / mine, 2),
-                "transformers_tokens_per_s": round(n / theirs, 2),
-                "ratio": round(theirs / mine, 3),
-            })  # fmt: skip
+            for name, fn in (("ours", ours), ("transformers", reference)):
+                p, s = fn(engine if name == "ours" else hf, prompts, args.new_tokens)
+                prefill[name] = min(prefill[name], p)
+                steps[name] += s
+        step = {name: statistics.median(v) for name, v in steps.items()}
+        n_prefill = b * args.prompt_len
+        rows.append({
+            "phase": "prefill", "batch": b,
+            "ours_tokens_per_s": round(n_prefill / prefill["ours"], 2),
+            "transformers_tokens_per_s": round(n_prefill / prefill["transformers"], 2),
+            "ratio": round(prefill["transformers"] / prefill["ours"], 3),
+        })  # fmt: skip
+        rows.append({
+            "phase": "decode", "batch": b,
+            "ours_tokens_per_s": round(b / step["ours"], 2),
+            "transformers_tokens_per_s": round(b / step["transformers"], 2),
+            "ratio": round(step["transformers"] / step["ours"], 3),
+        })  # fmt: skip
         print(f"batch {b}: done", flush=True)
 
     cache = engine.model_runner.kv_cache
