@@ -137,7 +137,7 @@ def main() -> int:
         print(f"{row['services']:>8}  {row['seconds_to_ready']:>16.2f}  {mib:>13.1f} MiB")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.out.relative_to(ROOT)}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="http://0.0.0.0:8080/healthz",
         help="kopf liveness endpoint URL, or '' to disable",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="threads running handlers (default: Python's, min(32, CPUs + 4)); on 2 CPUs, 16 "
+        "threads reconciled 50 services slower than 6",
+    )
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -80,6 +87,8 @@ def settings_for(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.peering.stealth = True
+    if args.workers:
+        settings.execution.max_workers = args.workers
     return settings
 
 
