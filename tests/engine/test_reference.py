@@ -70,16 +70,21 @@ def test_matches_transformers_float32(
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4, msg=f"step {step}")
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_matches_transformers_bfloat16(
-    tiny_models: dict[str, Path], preset: str, prompt_ids: Callable[..., list[int]]
+@pytest.mark.parametrize(
+    ("preset", "dtype"),
+    [("tiny-llama", "bfloat16"), ("tiny-qwen3", "bfloat16"), ("tiny-qwen2", "float16")],
+)
+def test_matches_transformers_half_precision(
+    tiny_models: dict[str, Path], preset: str, dtype: str, prompt_ids: Callable[..., list[int]]
 ) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_models[preset]), device="cpu", dtype="bfloat16"))
-    assert engine.dtype == torch.bfloat16
+    torch_dtype = getattr(torch, dtype)
+    engine = LLMEngine(EngineConfig(model=str(tiny_models[preset]), device="cpu", dtype=dtype))
+    assert engine.dtype == torch_dtype
+    assert engine.model_runner.kv_cache.dtype == torch_dtype
     prompt = prompt_ids(engine, 21)
     ours, our_logits = engine_logits(engine, prompt, 4)
-    ref, ref_logits = reference_logits(tiny_models[preset], prompt, 4, torch.bfloat16)
-    # bf16 rounding differs between kernels; compare the prefill step tightly enough to catch
-    # a wrong formula (logits here have a spread of several units) and the greedy first token.
+    ref, ref_logits = reference_logits(tiny_models[preset], prompt, 4, torch_dtype)
+    # Half-precision rounding differs between kernels; compare the prefill step tightly enough
+    # to catch a wrong formula (logits here spread over several units) and the first token.
     torch.testing.assert_close(our_logits[0], ref_logits[0], atol=0.1, rtol=0.05)
     assert ours[0] == ref[0]

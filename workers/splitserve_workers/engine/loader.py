@@ -104,6 +104,8 @@ def load_model(
             + (" ..." if len(missing) > 8 else "")
         )
     model.init_rotary(device)
+    if device.type == "cpu":
+        model.transpose_logits_weight()
     model.eval()
     return model
 

