@@ -41,13 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    # Two passes: find the subcommand, then let its module add its own arguments.
-    known, _ = parser.parse_known_args(argv)
-    if not known.command:
+    # The subcommand's module adds its own arguments before parsing, so `splitserve X --help`
+    # lists them; the top-level parser only has --help and --version before the command.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in COMMANDS:
+        parser.parse_args(argv)  # prints help/version, or the error for an unknown command
         parser.print_help()
         return 2
-    module = importlib.import_module(known._module)
-    sub_parser = parser._subparsers._group_actions[0].choices[known.command]  # type: ignore[union-attr]
+    module = importlib.import_module(COMMANDS[command][0])
+    sub_parser = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
     module.add_arguments(sub_parser)
     args = parser.parse_args(argv)
     return int(module.run(args) or 0)
