@@ -13,6 +13,8 @@
 # full LLMEngine. Without them MODE=synthetic builds the same model in GPU memory with random
 # weights and drives the engine's ModelRunner (same model, attention and KV-cache code; no
 # scheduler, tokenizer or sampler).
+# Time: a few minutes on the first files-mode run (drawing and writing 16 GB of weights, with
+# the random numbers drawn on the GPU), about two minutes afterwards or in synthetic mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/workers${PYTHONPATH:+:$PYTHONPATH}"
