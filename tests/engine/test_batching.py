@@ -35,8 +35,9 @@ def one_at_a_time(
         {"max_batch_tokens": 7},  # every prompt but one is chunked, chunks share passes
         {"max_batch_size": 2},  # sequences join as others finish
         {"max_batch_tokens": 16, "max_batch_size": 3, "block_size": 8},
+        {"max_batch_tokens": 12, "max_batch_size": 3, "enable_mixed_batches": True},
     ],
-    ids=["batched", "block4", "block1", "chunked", "continuous", "mixed"],
+    ids=["batched", "block4", "block1", "chunked", "continuous", "limits", "mixed-passes"],
 )
 def test_same_tokens_as_one_at_a_time(
     make_engine: Callable[..., LLMEngine],
@@ -112,3 +113,25 @@ def test_prefix_cache_survives_in_free_blocks_until_evicted(
     engine.add_request("evicted", a, SamplingParams(max_tokens=1))
     assert engine.step()[0].num_cached_tokens == 0
     assert engine.stats().free_blocks == 12
+
+
+def test_mixed_batches_keep_decoding_during_a_long_prefill(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine(max_batch_tokens=8, enable_mixed_batches=True)
+    short, long = prompt_ids(engine, 4), prompt_ids(engine, 40, salt=1)
+    reference = make_engine().generate([short, long], PARAMS)
+    engine.add_request("short", short, PARAMS)
+    engine.step()  # short prefilled (its first token is not collected): it decodes from now on
+    engine.add_request("long", long, PARAMS)
+    tokens: dict[str, list[int]] = {"short": [], "long": []}
+    mixed_steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id].append(o.token_id)  # type: ignore[arg-type]
+        s = engine.stats()
+        assert s.num_prefill_tokens + s.num_decode_tokens <= 8
+        mixed_steps += s.num_prefill_tokens > 0 and s.num_decode_tokens > 0
+    assert mixed_steps >= 5  # the 40-token prompt took 5+ passes, short decoded in each
+    assert engine.stats().free_blocks == engine.num_kv_blocks
+    assert tokens["short"] == reference[0][1:] and tokens["long"] == reference[1]

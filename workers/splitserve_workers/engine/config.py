@@ -25,6 +25,9 @@ class EngineConfig:
     max_batch_tokens: int = 2048  # prefill token budget per forward pass (longer prompts chunk)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Addition: decode steps and prompt chunks share forward passes (colocated serving: a long
+    # prompt no longer pauses running sequences). Off: an iteration is all prefill or all decode.
+    enable_mixed_batches: bool = False
 
     def validate(self) -> None:
         if not self.model:

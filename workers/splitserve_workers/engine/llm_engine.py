@@ -16,6 +16,7 @@ Additions to the shared contract (nothing in it changed):
   start_decode() then finishes it at once ("stop"/"length", token_id None) on the decode side.
 - abort() of a reservation (reserved, not yet started) frees it and emits nothing.
 - When one sequence alone needs more blocks than the whole cache, it finishes with "length".
+- EngineConfig.enable_mixed_batches (default off): decode steps ride in prefill passes.
 """
 
 from __future__ import annotations
@@ -328,8 +329,8 @@ class LLMEngine:
             self._stats = self._snapshot(
                 IterationStats(
                     batch_size=len(seqs),
-                    num_prefill_tokens=sum(counts) if batch.is_prefill else 0,
-                    num_decode_tokens=0 if batch.is_prefill else len(seqs),
+                    num_prefill_tokens=sum(counts) - batch.num_decode,
+                    num_decode_tokens=batch.num_decode,
                 )
             )
         return outputs

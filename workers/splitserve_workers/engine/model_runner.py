@@ -12,7 +12,7 @@ import torch
 
 from splitserve_workers.engine.layers.attention import AttentionMetadata
 from splitserve_workers.engine.model_config import ModelConfig
-from splitserve_workers.engine.models.llama import LlamaForCausalLM
+from splitserve_workers.engine.models.llama import KVHook, LlamaForCausalLM
 from splitserve_workers.engine.sequence import Sequence
 
 
@@ -162,10 +162,10 @@ class ModelRunner:
         hidden = self.model(ids.to(self.device), last.to(self.device), self.kv_cache, meta)
         return self.model.compute_logits(hidden)
 
-    def _kv_hook(self, seqs: list[Sequence], starts: list[int], counts: list[int]):  # type: ignore[no-untyped-def]
+    def _kv_hook(self, seqs: list[Sequence], starts: list[int], counts: list[int]) -> KVHook | None:
         """Per-layer callback streaming each prompt token's KV to its request's on_kv exactly
         once: tokens already in the cache (prefix hits) first, then this pass's new tokens."""
-        targets = []
+        targets: list[tuple[Sequence, int, int, int]] = []
         offset = 0
         for seq, st, n in zip(seqs, starts, counts, strict=True):
             if seq.on_kv is not None:

@@ -1,7 +1,8 @@
 """Scheduler: picks each iteration's batch. Prefill first: waiting prompts (interactive before
 background, then FIFO) are admitted while their KV blocks fit and packed under the
 max_batch_tokens budget, the last one chunked if it does not fit whole. Otherwise one decode
-token for up to max_batch_size running sequences; when a sequence needs a block and none is
+token for up to max_batch_size running sequences (with enable_mixed_batches, both in one pass:
+decodes first, prompt chunks in the rest of the budget); when a sequence needs a block and none is
 free, the lowest-priority, newest running sequence is preempted (its KV dropped, recomputed
 later). Blocks come from block_manager.py; llm_engine.py drives schedule() and the results.
 """
@@ -18,15 +19,17 @@ from splitserve_workers.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    is_prefill: bool
+    is_prefill: bool  # run as a prefill pass (varlen); also true for mixed batches
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence: tokens whose KV this pass computes
+    num_decode: int = 0  # the first num_decode sequences are decode steps (1 token each)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_batch_size = config.max_batch_size
         self.max_batch_tokens = config.max_batch_tokens
+        self.mixed = config.enable_mixed_batches
         self.bm = block_manager
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
@@ -58,13 +61,30 @@ class Scheduler:
 
     def schedule(self) -> tuple[ScheduledBatch | None, list[Sequence]]:
         """The next batch, and sequences that can never fit the KV cache (to finish)."""
-        batch = self._schedule_prefill()
+        if self.mixed and self.waiting and self.running:
+            return self._schedule_mixed()
+        batch = self._schedule_prefill(self.max_batch_tokens)
         if batch is not None:
             return batch, []
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.max_batch_tokens
+    def _schedule_mixed(self) -> tuple[ScheduledBatch | None, list[Sequence]]:
+        # Running sequences decode first (one token of the budget each); prompt chunks fill
+        # the rest, so a long prompt no longer pauses everyone's next token.
+        decode, too_long = self._schedule_decode()
+        seqs = list(decode.seqs) if decode else []
+        counts = [1] * len(seqs)
+        budget = self.max_batch_tokens - len(seqs)
+        prefill = self._schedule_prefill(budget) if budget > 0 else None
+        if prefill is not None:
+            seqs += prefill.seqs
+            counts += prefill.num_new_tokens
+        if not seqs:
+            return None, too_long
+        num_decode = len(decode.seqs) if decode else 0
+        return ScheduledBatch(True, seqs, counts, num_decode), too_long
+
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
         active = len(self.running) + sum(1 for s in self.waiting if s.block_table)
         # Keep one block spare while sequences decode, so admitting a prompt does not force
         # an immediate preemption of a running sequence (recompute ping-pong).
@@ -120,7 +140,7 @@ class Scheduler:
                 batch.append(seq)
         if not batch:
             return None, too_long
-        return ScheduledBatch(False, batch, [1] * len(batch)), too_long
+        return ScheduledBatch(False, batch, [1] * len(batch), num_decode=len(batch)), too_long
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
