@@ -1,4 +1,5 @@
-"""LLMEngine: the public face of the engine (see the package docstring for the contract).
+"""LLMEngine: the engine's public API (methods documented below; names re-exported by
+__init__.py).
 
 It loads the model (loader.py), sizes the KV block pool (block_manager.py), and runs one
 scheduler iteration per step(): schedule under the lock, forward pass and sampling outside it
@@ -132,15 +133,18 @@ class LLMEngine:
 
     # ---- facts -------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
+        """2 x layers x kv_heads x head_dim x dtype bytes."""
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
 
     def has_unfinished(self) -> bool:
+        """Requests queued or running, or outputs not yet returned by step()."""
         with self._lock:
             return bool(self._seqs or self._outputs)
 
     def stats(self) -> IterationStats:
+        """The last step's batch facts with the current queue and cache numbers."""
         with self._lock:
             return self._snapshot(self._stats)
 
@@ -207,6 +211,10 @@ class LLMEngine:
         prefill_only: bool = False,
         on_kv: OnKV | None = None,
     ) -> None:
+        """Queues a request (applied at the next step). prefill_only: finish after the first
+        token ("prefill_done"). on_kv(request_id, layer, token_start, k, v) receives every prompt
+        token's KV once per layer, from the step thread, as soon as the layer is computed.
+        ValueError (naming the field) for an empty/too long prompt or bad parameters."""
         self._check_prompt(prompt_token_ids, "prompt_token_ids")
         seq = self._new_sequence(
             request_id, prompt_token_ids, params, priority, prefill_only, on_kv
@@ -221,6 +229,8 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
 
     def abort(self, request_id: str) -> bool:
+        """Frees the request's blocks at the next step(), which emits finished/"abort" once.
+        A reservation is freed at once. False if the id is unknown (or already finished)."""
         with self._lock:
             reservation = self._reservations.pop(request_id, None)
             if reservation is not None:
@@ -261,6 +271,7 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
+        """One scheduler iteration (prefill, decode or mixed pass). Call from ONE thread."""
         with self._lock:
             self._apply_aborts()
             for seq in self._pending_add:
@@ -368,6 +379,7 @@ class LLMEngine:
         params: SamplingParams | list[SamplingParams],
         priorities: list[Priority] | None = None,
     ) -> list[list[int]]:
+        """Offline convenience: runs step() until these prompts finish; generated ids each."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} entries for {len(prompts)} prompts")
@@ -389,6 +401,7 @@ class LLMEngine:
 
     # ---- decode side of a disaggregated transfer ---------------------------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int) -> bool:
+        """Allocates blocks for the prompt + the first token now; False if they are not free."""
         limit = self.model_config.max_model_len
         if not 1 <= num_prompt_tokens <= limit:
             raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} not in [1, {limit}]")
@@ -407,6 +420,8 @@ class LLMEngine:
     def import_kv(
         self, request_id: str, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
+        """Writes [n_tokens, kv_heads, head_dim] K/V into a reservation's blocks; ValueError
+        on an unknown reservation, out-of-range layer/tokens, or wrong shape/dtype."""
         mc = self.model_config
         with self._lock:
             r = self._reservations.get(request_id)
@@ -442,6 +457,8 @@ class LLMEngine:
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
     ) -> None:
+        """The reserved, fully imported request joins continuous batching as if its prefill ran
+        here; step() emits the tokens after first_token. ValueError if KV is missing."""
         self._check_prompt(prompt_token_ids, "prompt_token_ids")
         if not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first_token: {first_token} is outside the vocabulary")
@@ -474,12 +491,14 @@ class LLMEngine:
                 self._outputs.append(self._output(seq, None, None))
 
     def release(self, request_id: str) -> None:
+        """Frees a reservation that never started (lease expiry, error). Idempotent."""
         with self._lock:
             r = self._reservations.pop(request_id, None)
             if r is not None:
                 self.block_manager.free(r.block_table)
 
     def export_kv(self, request_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's cached KV for a layer, contiguous [n_tokens, kv_heads, head_dim]."""
         mc = self.model_config
         if not 0 <= layer < mc.num_layers:
             raise ValueError(f"layer: {layer} not in [0, {mc.num_layers})")
