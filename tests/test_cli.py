@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from splitserve_workers.cli import COMMANDS, main
 
 
