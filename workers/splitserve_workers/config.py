@@ -88,13 +88,26 @@ class ServingConfig:
             ("slo.ttft_seconds", self.slo.ttft_seconds, 1e-6),
             ("slo.tpot_seconds", self.slo.tpot_seconds, 1e-6),
         ]
+        for size in ("prefill.kv_cache_memory_bytes", "decode.kv_cache_memory_bytes"):
+            checks.append((size, self._get(size), 1))
+        checks.append(("router.max_request_bytes", self.router.max_request_bytes, 1))
+        if self.model.max_model_len is not None:
+            checks.append(("model.max_model_len", self.model.max_model_len, 1))
         for name, value, minimum in checks:
             if value < minimum:
                 raise ConfigError(f"{name}: {value} is below the minimum {minimum}")
+        # 0 asks the OS for a free port (local mode and tests).
+        for name in ("prefill.port", "decode.port", "router.port"):
+            if not 0 <= self._get(name) <= 65535:
+                raise ConfigError(f"{name}: {self._get(name)} must be in [0, 65535]")
         if not 0 < self.slo.percentile < 100:
             raise ConfigError(f"slo.percentile: {self.slo.percentile} must be in (0, 100)")
         if self.router.discovery not in ("static", "dns"):
             raise ConfigError(f"router.discovery: {self.router.discovery!r} is not static or dns")
+
+    def _get(self, dotted: str) -> Any:
+        section, name = dotted.split(".")
+        return getattr(getattr(self, section), name)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -105,6 +118,8 @@ class ServingConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServingConfig:
         sections = {f.name: f for f in dataclasses.fields(cls)}
+        if not isinstance(data or {}, dict):
+            raise ConfigError(f"config: expected a mapping of sections, got {_kind(data)}")
         kwargs: dict[str, Any] = {}
         for key, value in (data or {}).items():
             if key not in sections:
@@ -112,11 +127,15 @@ class ServingConfig:
             if key == "service":
                 kwargs[key] = str(value)
                 continue
+            if not isinstance(value or {}, dict):
+                raise ConfigError(f"{key}: expected a mapping of fields, got {_kind(value)}")
             section_type = type(getattr(cls(), key))
-            allowed = {f.name for f in dataclasses.fields(section_type)}
-            unknown = set(value or {}) - allowed
+            types = {f.name: f.type for f in dataclasses.fields(section_type)}
+            unknown = set(value or {}) - set(types)
             if unknown:
                 raise ConfigError(f"{key}.{sorted(unknown)[0]}: unknown field")
+            for name, item in (value or {}).items():
+                _check_type(f"{key}.{name}", item, str(types[name]))
             kwargs[key] = section_type(**(value or {}))
         config = cls(**kwargs)
         config.validate()
@@ -128,4 +147,35 @@ class ServingConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> ServingConfig:
-        return cls.from_yaml(Path(path).read_text())
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"config: cannot read {path}: {e.strerror or e}") from e
+        try:
+            return cls.from_yaml(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config: {path} is not valid YAML: {e}") from e
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+# The field annotations used above (strings: this module uses postponed annotations).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "int | None": (int, type(None)),
+    "list[str]": (list,),
+}
+
+
+def _check_type(name: str, value: Any, annotation: str) -> None:
+    """A YAML value of the wrong type fails here, naming the field, rather than deep inside."""
+    allowed = _TYPES[annotation]
+    ok = isinstance(value, allowed) and not isinstance(value, bool)
+    if ok and annotation == "list[str]":
+        ok = all(isinstance(item, str) for item in value)
+    if not ok:
+        raise ConfigError(f"{name}: expected {annotation}, got {_kind(value)} {value!r}")

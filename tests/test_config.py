@@ -1,0 +1,68 @@
+"""ServingConfig (the operator <-> worker contract): every invalid file or value is a ConfigError
+whose message starts with the field it is about."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from splitserve_workers.config import ConfigError, ServingConfig
+
+
+def test_defaults_round_trip_through_yaml() -> None:
+    config = ServingConfig()
+    assert ServingConfig.from_yaml(config.to_yaml()) == config
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ([1, 2], "config"),
+        ({"model": 5}, "model"),
+        ({"nope": {}}, "nope"),
+        ({"decode": {"nope": 1}}, "decode.nope"),
+        ({"model": {"dtype": "int4"}}, "model.dtype"),
+        ({"model": {"max_model_len": 0}}, "model.max_model_len"),
+        ({"model": {"max_model_len": "long"}}, "model.max_model_len"),
+        ({"decode": {"max_batch_size": "big"}}, "decode.max_batch_size"),
+        ({"decode": {"max_batch_size": 0}}, "decode.max_batch_size"),
+        ({"decode": {"block_size": True}}, "decode.block_size"),
+        ({"decode": {"kv_cache_memory_bytes": 0}}, "decode.kv_cache_memory_bytes"),
+        ({"prefill": {"kv_cache_memory_bytes": -1}}, "prefill.kv_cache_memory_bytes"),
+        ({"prefill": {"max_batch_tokens": 0}}, "prefill.max_batch_tokens"),
+        ({"prefill": {"port": 70000}}, "prefill.port"),
+        ({"decode": {"port": -1}}, "decode.port"),
+        ({"router": {"port": 65536}}, "router.port"),
+        ({"router": {"max_request_bytes": 0}}, "router.max_request_bytes"),
+        ({"router": {"prefill_endpoints": "a:1"}}, "router.prefill_endpoints"),
+        ({"router": {"discovery": "consul"}}, "router.discovery"),
+        ({"slo": {"percentile": 100}}, "slo.percentile"),
+        ({"slo": {"ttft_seconds": "fast"}}, "slo.ttft_seconds"),
+    ],
+)
+def test_invalid_value_names_the_field(data: Any, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ServingConfig.from_dict(data)
+    assert str(err.value).startswith(f"{field}: "), str(err.value)
+
+
+def test_valid_edges_are_accepted() -> None:
+    config = ServingConfig.from_dict(
+        {
+            "model": {"max_model_len": None},
+            "prefill": {"port": 0},
+            "router": {"port": 65535, "prefill_endpoints": ["a:1"]},
+            "slo": {"ttft_seconds": 1},  # an int is a fine float
+        }
+    )
+    assert config.router.port == 65535 and config.slo.ttft_seconds == 1
+
+
+def test_unreadable_or_malformed_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^config: cannot read .*missing\.yaml"):
+        ServingConfig.load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"^config: .*bad\.yaml is not valid YAML"):
+        ServingConfig.load(bad)
