@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -101,6 +101,29 @@ class WorkerMetricsUpdater:
             )
 
 
+# Probes and scrapes send a GET with a few short headers and no body, so the limits are small:
+# a body is refused (413) before anything reads it, and the header limits are stated here
+# rather than left to aiohttp's defaults.
+MAX_BODY_BYTES = 1024
+MAX_LINE_BYTES = 8190
+MAX_HEADER_BYTES = 8190
+MAX_HEADERS = 64
+
+
+@web.middleware
+async def _refuse_bodies(request: web.Request, handler: Any) -> web.StreamResponse:
+    chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+    if chunked or (request.content_length or 0) > MAX_BODY_BYTES:
+        # Closed without reading the body (lingering_time=0 in start_http).
+        resp = web.json_response(
+            {"error": f"request body over {MAX_BODY_BYTES} bytes; these endpoints take none"},
+            status=413,
+        )
+        resp.force_close()
+        return resp
+    return await handler(request)
+
+
 def make_app(status: WorkerStatus, registry: CollectorRegistry) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -114,7 +137,7 @@ def make_app(status: WorkerStatus, registry: CollectorRegistry) -> web.Applicati
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return resp
 
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_refuse_bodies])
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
@@ -125,7 +148,14 @@ async def start_http(
     status: WorkerStatus, registry: CollectorRegistry, host: str, port: int
 ) -> tuple[web.AppRunner, int]:
     """Serve the probes and metrics; returns the runner and the bound port (port 0 = any)."""
-    runner = web.AppRunner(make_app(status, registry), access_log=None)
+    runner = web.AppRunner(
+        make_app(status, registry),
+        access_log=None,
+        max_line_size=MAX_LINE_BYTES,
+        max_field_size=MAX_HEADER_BYTES,
+        max_headers=MAX_HEADERS,
+        lingering_time=0,  # close on an unread body at once, instead of reading it for 10 s
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
