@@ -129,29 +129,46 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
             raise ConfigError(f"{name}: {getattr(settings, name)} must be at least 1")
     if settings.lease_s <= 0:
         raise ConfigError(f"lease_seconds: {settings.lease_s} must be positive")
+    # Checked before anything binds or loads, so a bad flag exits 2 with its name instead of
+    # failing later with a traceback (port) or after the model load (engine settings).
+    for name in ("port", "metrics_port"):
+        if not 0 <= getattr(settings, name) <= 65535:
+            raise ConfigError(f"{name}: {getattr(settings, name)} must be in [0, 65535]")
+    if settings.drain_timeout_s < 0:
+        raise ConfigError(f"drain_timeout: {settings.drain_timeout_s} must be >= 0")
+    if settings.threads is not None and settings.threads < 1:
+        raise ConfigError(f"threads: {settings.threads} must be at least 1")
+    try:
+        engine_config(settings).validate()
+    except ValueError as e:  # "EngineConfig.<field>: ..." names the field too
+        raise ConfigError(str(e).removeprefix("EngineConfig.")) from e
     return settings
+
+
+def engine_config(s: WorkerSettings) -> Any:
+    from splitserve_workers.engine import EngineConfig
+
+    return EngineConfig(
+        model=s.model_dir,
+        dtype=s.dtype,
+        device=s.device,
+        block_size=s.block_size,
+        kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+        num_kv_blocks=s.num_kv_blocks,
+        max_batch_size=s.max_batch_size,
+        max_batch_tokens=s.max_batch_tokens,
+        max_model_len=s.max_model_len,
+    )
 
 
 def load_engine(s: WorkerSettings) -> Any:
     import torch
 
-    from splitserve_workers.engine import EngineConfig, LLMEngine
+    from splitserve_workers.engine import LLMEngine
 
     if s.threads:
         torch.set_num_threads(s.threads)
-    return LLMEngine(
-        EngineConfig(
-            model=s.model_dir,
-            dtype=s.dtype,
-            device=s.device,
-            block_size=s.block_size,
-            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-            num_kv_blocks=s.num_kv_blocks,
-            max_batch_size=s.max_batch_size,
-            max_batch_tokens=s.max_batch_tokens,
-            max_model_len=s.max_model_len,
-        )
-    )
+    return LLMEngine(engine_config(s))
 
 
 class Worker:
