@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from splitserve_workers.config import ServingConfig
+from splitserve_workers.config import ConfigError, ServingConfig
 from splitserve_workers.metrics import RouterMetrics, router_metrics
 from splitserve_workers.proto import serving_pb2
 from splitserve_workers.router import openai_api as api
@@ -541,12 +542,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Out-of-range flags fail here, naming the field, before anything binds or loads."""
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise ConfigError(f"port: {args.port} must be in [0, 65535]")
+    minimums: list[tuple[str, float | None, float]] = [
+        ("max_request_bytes", args.max_request_bytes, 1),
+        ("max_model_len", args.max_model_len, 1),
+        ("poll_interval", args.poll_interval, 0.01),
+        ("admission_timeout", args.admission_timeout, 0),
+        ("drain_timeout", args.drain_timeout, 0),
+    ]
+    for name, value, minimum in minimums:
+        if value is not None and value < minimum:
+            raise ConfigError(f"{name}: {value} is below the minimum {minimum}")
+
+
 def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
+    """Flags over --config -> the router's options and port; raises ConfigError naming the field."""
+    check_flags(args)
     config = ServingConfig.load(args.config) if args.config else ServingConfig()
     rs = config.router
     model_dir = args.model or config.model.path
     if not model_dir:
-        raise SystemExit("splitserve router: --model (or model.path in --config) is required")
+        raise ConfigError("model.path: no model directory (pass --model or set it in --config)")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError(f"model.path: {model_dir} has no config.json")
     discovery_kind = args.discovery or rs.discovery
     prefill = (
         args.prefill
@@ -573,7 +594,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
                 split_endpoints(prefill), split_endpoints(decode), split_endpoints(args.colocated)
             )
     except ValueError as e:
-        raise SystemExit(f"splitserve router: {e}") from e
+        raise ConfigError(str(e)) from e
     name = args.model_name or config.model.name or Path(model_dir).name
     max_len = args.max_model_len or config.model.max_model_len or model_max_len(model_dir)
     options = RouterOptions(
@@ -623,11 +644,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    options, port = options_from_args(args)
     try:
+        options, port = options_from_args(args)
         tokenizer = load_tokenizer(options.model_dir)
         router = Router(options, tokenizer)
-    except ValueError as e:
-        raise SystemExit(f"splitserve router: {e}") from e
+    except ValueError as e:  # ConfigError included: bad input, named, exit 2 like the workers
+        print(f"splitserve router: {e}", file=sys.stderr)
+        return 2
     asyncio.run(serve(router, args.host, port))
     return 0
