@@ -8,6 +8,8 @@ import argparse
 import logging
 import os
 import random
+import sys
+import urllib.parse
 
 import kopf
 
@@ -78,6 +80,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
+def check_flags(args: argparse.Namespace) -> str | None:
+    """The first out-of-range flag as "field: why", or None; checked before kopf starts."""
+    if not args.resync_seconds > 0:
+        return f"resync_seconds: {args.resync_seconds} must be positive"
+    if args.workers is not None and args.workers < 1:
+        return f"workers: {args.workers} must be at least 1"
+    if args.liveness:
+        # kopf serves plain http only and would fail on anything else after startup.
+        url = urllib.parse.urlsplit(args.liveness)
+        try:
+            url.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+        except ValueError:
+            url = url._replace(scheme="")
+        if url.scheme != "http":
+            return f"liveness: {args.liveness!r} is not http://HOST:PORT/PATH (or '' to disable)"
+    return None
+
+
 def settings_for(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # Keep kopf's bookkeeping in annotations of our own prefix, out of the typed status.
@@ -93,6 +113,10 @@ def settings_for(args: argparse.Namespace) -> kopf.OperatorSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    error = check_flags(args)
+    if error:
+        print(f"splitserve operator: {error}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

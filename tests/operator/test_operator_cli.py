@@ -1,0 +1,26 @@
+"""`splitserve operator` with an out-of-range flag exits 2 naming it, before kopf or the
+Kubernetes client start (no cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+from splitserve_workers.cli import main
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--resync-seconds", "0"], "resync_seconds"),
+        (["--resync-seconds", "-5"], "resync_seconds"),
+        (["--workers", "0"], "workers"),
+        (["--liveness", "https://0.0.0.0:8080/healthz"], "liveness"),
+        (["--liveness", "0.0.0.0:8080"], "liveness"),
+        (["--liveness", "http://0.0.0.0:99999/healthz"], "liveness"),
+    ],
+)
+def test_out_of_range_flag_exits_2_naming_the_field(
+    flags: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["operator", "--all-namespaces", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"splitserve operator: {field}: "), err
