@@ -4,6 +4,8 @@ Measures prefill and decode tokens/s at several batch sizes (greedy, fixed promp
 lengths, the same torch thread count for both; decode = batch / median step time), prints a
 table and writes bench/results/engine.json. Run: python bench/engine.py [--model DIR].
 Without --model it writes the `small` preset (~58M parameters) into a temporary directory.
+Extra "serving" rows (`serving_rows`) time whole workloads of requests with mixed prompt and
+output lengths end to end and count only the tokens each request asked for.
 """
 
 from __future__ import annotations
@@ -77,6 +79,61 @@ def reference(
     return t[1] - t[0], [b - a for a, b in zip(t[1:], t[2:], strict=False)]
 
 
+def serving_workload(
+    n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int
+) -> tuple[list[list[int]], list[int]]:
+    """n prompts with lengths uniform in prompt_range and output lengths uniform in out_range
+    (both inclusive), from a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(prompt_range[0], prompt_range[1] + 1, (n,), generator=g).tolist()
+    olens = torch.randint(out_range[0], out_range[1] + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(4, vocab, (p,), generator=g).tolist() for p in plens]
+    return prompts, olens
+
+
+def ours_serving(
+    engine: LLMEngine, prompts: list[list[int]], olens: list[int]
+) -> tuple[float, list[list[int]]]:
+    """(seconds until every request is done, generated tokens). All arrive at once; the
+    scheduler admits up to max_batch_size, drops each request when it reaches its own
+    max_tokens and admits the next waiting one (continuous batching)."""
+    for i, (p, n) in enumerate(zip(prompts, olens, strict=True)):
+        engine.add_request(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
+    got: list[list[int]] = [[] for _ in prompts]
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_id is not None:
+                got[int(o.request_id[1:])].append(o.token_id)
+    elapsed = time.perf_counter() - started
+    assert [len(g) for g in got] == olens, "every request must get exactly what it asked for"
+    return elapsed, got
+
+
+def reference_serving(
+    model: torch.nn.Module, prompts: list[list[int]], olens: list[int], slots: int
+) -> tuple[float, list[list[int]]]:
+    """(seconds, each request's requested tokens) for transformers `generate` on the same
+    requests in arrival order, `slots` at a time: each call left-pads its prompts to the
+    longest one and steps every row until the longest requested output is done (a static
+    batch cannot release or refill a row)."""
+    got: list[list[int]] = []
+    started = time.perf_counter()
+    for lo in range(0, len(prompts), slots):
+        chunk, want = prompts[lo : lo + slots], olens[lo : lo + slots]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max(want),
+                min_new_tokens=max(want), do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        assert out.shape[1] == width + max(want)
+        got += [row[width : width + n] for row, n in zip(out.tolist(), want, strict=True)]
+    return time.perf_counter() - started, got
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", help="HF-format directory (default: write the small preset)")
@@ -88,6 +145,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3, help="runs per point; the best one counts")
     ap.add_argument("--out", default=str(RESULTS / "engine.json"))
+    ap.add_argument("--serving-requests", default="32,64",
+                    help="serving workloads: request counts, each run max(--batches) at a time "
+                         "('' skips the serving rows)")  # fmt: skip
+    ap.add_argument("--serving-prompt", default="16,512", help="min,max prompt tokens")
+    ap.add_argument("--serving-output", default="4,64", help="min,max requested new tokens")
+    ap.add_argument("--serving-reps", type=int, default=1, help="runs per workload; median")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -154,6 +217,37 @@ def main() -> int:
         })  # fmt: skip
         print(f"batch {b}: done", flush=True)
 
+    serving_rows = []
+    slots = max(batches)
+    prange = tuple(int(x) for x in args.serving_prompt.split(","))
+    orange = tuple(int(x) for x in args.serving_output.split(","))
+    for n in [int(x) for x in args.serving_requests.split(",") if x]:
+        prompts, olens = serving_workload(n, prange, orange, vocab, seed=7 + n)  # type: ignore[arg-type]
+        secs: dict[str, list[float]] = {"ours": [], "transformers": []}
+        for _ in range(args.serving_reps):
+            t_ours, toks_ours = ours_serving(engine, prompts, olens)
+            t_ref, toks_ref = reference_serving(hf, prompts, olens, slots)
+            secs["ours"].append(t_ours)
+            secs["transformers"].append(t_ref)
+        # Same greedy tokens is the check that both did the same work (padding changes GEMM
+        # shapes, so an fp32 near-tie may rarely flip one argmax).
+        same = sum(a == b for a, b in zip(toks_ours, toks_ref, strict=True))
+        t = {name: statistics.median(v) for name, v in secs.items()}
+        useful = sum(olens)
+        serving_rows.append({
+            "phase": "serving", "batch": slots,
+            "ours_tokens_per_s": round(useful / t["ours"], 2),
+            "transformers_tokens_per_s": round(useful / t["transformers"], 2),
+            "ratio": round(t["transformers"] / t["ours"], 3),
+            "shape": f"{n} requests arriving together, {slots} at a time; prompts "
+                     f"{prange[0]}..{prange[1]} tokens, outputs {orange[0]}..{orange[1]} tokens "
+                     f"(uniform, seed {7 + n}); useful tokens = sum of requested outputs",
+            "requests": n, "useful_tokens": useful, "prompt_tokens": sum(map(len, prompts)),
+            "ours_s": round(t["ours"], 3), "transformers_s": round(t["transformers"], 3),
+            "identical_outputs": f"{same}/{n}",
+        })  # fmt: skip
+        print(f"serving {n} requests: done ({same}/{n} identical outputs)", flush=True)
+
     cache = engine.model_runner.kv_cache
     measured = cache.numel() * cache.element_size() // (engine.num_kv_blocks * engine.block_size)
     formula = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * cache.element_size()
@@ -161,12 +255,23 @@ def main() -> int:
     for r in rows:
         print(f"{r['phase']:8} {r['batch']:>5} {r['ours_tokens_per_s']:>12.1f} "
               f"{r['transformers_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}x")  # fmt: skip
+    if serving_rows:
+        print("extra: serving workloads, whole run, useful generated tokens/s "
+              "(only the tokens each request asked for; prefill time included)")  # fmt: skip
+        print(f"{'requests':>8} {'batch':>5} {'ours tok/s':>12} {'transformers':>13} {'ratio':>7}"
+              f"  shape")  # fmt: skip
+        for r in serving_rows:
+            print(f"{r['requests']:>8} {r['batch']:>5} {r['ours_tokens_per_s']:>12.1f} "
+                  f"{r['transformers_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}x  "
+                  f"prompts {prange[0]}..{prange[1]}, "
+                  f"outputs {orange[0]}..{orange[1]}")  # fmt: skip
     print(f"KV bytes/token: {measured} (formula 2 x layers x kv_heads x head_dim x bytes = "
           f"{formula})")  # fmt: skip
     result = {
         "rows": rows,
         "kv_bytes_per_token": measured,
         "kv_bytes_per_token_formula": formula,
+        "serving_rows": serving_rows,
         "setup": {
             "model": "small" if args.model is None else Path(model_dir).name,
             "params": mc.num_params(), "threads": args.threads, "dtype": "float32",
