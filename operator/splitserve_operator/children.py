@@ -1,7 +1,7 @@
 """The desired child objects of one LLMService: the worker ConfigMap, a Deployment per pool,
 Services (router ClusterIP, headless pools for DNS discovery), PodDisruptionBudgets and, when
 the cluster serves monitoring.coreos.com, a ServiceMonitor and a PodMonitor. Pure: dicts in,
-dicts out; apply.py sends them to the API server."""
+dicts out; reconcile.py sends them to the API server."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def deployment(
             child_name(service, component), namespace, common_labels(service, component), owner
         ),
         "spec": {
-            # apply.py decides whether replicas is sent (it depends on the autoscaling mode).
+            # reconcile.py decides whether replicas is sent (it depends on the autoscaling mode).
             "replicas": spec.pool(component).replicas,
             "selector": {"matchLabels": selector_labels(service, component)},
             "revisionHistoryLimit": 3,
