@@ -49,7 +49,7 @@ def ensure_model(model: str | None, preset: str = DEFAULT_PRESET) -> Path:
     if model:
         path = Path(model)
         if not (path / "config.json").is_file():
-            raise SystemExit(f"splitserve up: --model {model}: no config.json in that directory")
+            raise _usage_error(f"--model: {model} has no config.json")
         return path
     path = cache_dir() / preset
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
@@ -376,17 +376,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", help="where child logs go (default: a temp dir)")
 
 
+def _usage_error(message: str) -> SystemExit:
+    # Exit 2 like argparse and the worker commands: bad input, named, nothing started.
+    print(f"splitserve up: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise _usage_error(f"--port: {args.port} must be in [0, 65535]")
+    if not args.stats_interval > 0:
+        raise _usage_error(f"--stats-interval: {args.stats_interval} must be positive")
     if args.colocated is not None:
         if args.prefill is not None or args.decode is not None:
-            raise SystemExit("splitserve up: use --colocated K or --prefill N --decode M, not both")
+            raise _usage_error("use --colocated K or --prefill N --decode M, not both")
         if args.colocated < 1:
-            raise SystemExit("splitserve up: --colocated must be >= 1")
+            raise _usage_error(f"--colocated: {args.colocated} must be >= 1")
         return 0, 0, args.colocated
     prefill = 1 if args.prefill is None else args.prefill
     decode = 1 if args.decode is None else args.decode
     if prefill < 1 or decode < 1:
-        raise SystemExit("splitserve up: --prefill and --decode must be >= 1")
+        raise _usage_error(f"--prefill/--decode: {prefill}/{decode} must be >= 1")
     return prefill, decode, 0
 
 

@@ -1,0 +1,35 @@
+"""`splitserve up` with bad input exits 2 naming the flag before it starts any process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from splitserve_workers.cli import main
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--port", "70000"], "--port"),
+        (["--stats-interval", "0"], "--stats-interval"),
+        (["--colocated", "0"], "--colocated"),
+        (["--colocated", "1", "--prefill", "1"], "use --colocated"),
+        (["--prefill", "0"], "--prefill/--decode"),
+        (["--decode", "-1"], "--prefill/--decode"),
+    ],
+)
+def test_bad_flag_exits_2_naming_it(
+    flags: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", *flags])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(f"splitserve up: {field}"), flags
+
+
+def test_model_without_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--model", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "--model: " in capsys.readouterr().err
