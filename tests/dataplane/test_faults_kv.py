@@ -6,6 +6,7 @@ back to its initial value every time."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
@@ -18,14 +19,31 @@ from splitserve_workers.proto import serving_pb2 as pb
 pytestmark = pytest.mark.slow
 
 PROMPT = 40  # tokens per test reservation
-LEASE_S = 1.0
+# The lease tests' worker: short so they finish quickly, yet long enough that a test client on a
+# loaded machine gets its chunks in before it runs out where the test needs them to.
+LEASE_S = 2.0
+# Every other test's worker: a lease no test step comes near, so a slow step on a busy machine
+# cannot turn the failure under test into a lease expiry (and "freed at once" means at once).
+LONG_LEASE_S = 600.0
+# A bound on waiting for blocks to come back: a leak fails, a busy machine does not.
+WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def decode(launch_module_worker, tiny_model: Path, worker_flags):
     return launch_module_worker(
         "decode",
+        worker_flags(tiny_model, "--num-kv-blocks", "64", "--lease-seconds", str(LONG_LEASE_S)),
+    )
+
+
+@pytest.fixture(scope="module")
+def leased(launch_module_worker, tiny_model: Path, worker_flags):
+    """A decode worker with a short lease, for the tests where the lease must run out."""
+    return launch_module_worker(
+        "decode",
         worker_flags(tiny_model, "--num-kv-blocks", "64", "--lease-seconds", str(LEASE_S)),
+        name="decode-short-lease",
     )
 
 
@@ -106,7 +124,8 @@ async def free_blocks(dataplane, endpoint: str) -> int:
 
 async def wait_free(dataplane, endpoint: str, expected: int) -> None:
     free = -1
-    for _ in range(200):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
         free = await free_blocks(dataplane, endpoint)
         if free == expected:
             return
@@ -254,17 +273,23 @@ async def test_cancelled_stream_frees_at_once(decode, dataplane):
     await wait_free(dataplane, decode.endpoint, initial)
 
 
-async def test_lease_expiry_without_any_chunk(decode, dataplane):
-    initial = await free_blocks(dataplane, decode.endpoint)
-    await reserve(dataplane, decode.endpoint, "silent")
-    assert await free_blocks(dataplane, decode.endpoint) < initial
-    await wait_free(dataplane, decode.endpoint, initial)  # the lease (1 s) ran out
+async def test_lease_expiry_without_any_chunk(leased, dataplane):
+    load = await dataplane.load(leased.endpoint)
+    initial = load.free_blocks
+    res = await dataplane.decode(leased.endpoint).Reserve(
+        pb.ReserveRequest(request_id="silent", model=load.model, num_prompt_tokens=PROMPT)
+    )
+    # The count in the answer is taken with the reservation, so a slow client cannot see it
+    # after the lease already gave the blocks back.
+    assert res.accepted and res.free_blocks < initial
+    await wait_free(dataplane, leased.endpoint, initial)  # the lease ran out
     await expect_status(
-        generate(dataplane, decode.endpoint, "silent"), grpc.StatusCode.DEADLINE_EXCEEDED, "lease"
+        generate(dataplane, leased.endpoint, "silent"), grpc.StatusCode.DEADLINE_EXCEEDED, "lease"
     )
 
 
-async def test_lease_expiry_of_stalled_stream(decode, dataplane):
+async def test_lease_expiry_of_stalled_stream(leased, dataplane):
+    decode = leased
     initial = await free_blocks(dataplane, decode.endpoint)
     kv = await reserve(dataplane, decode.endpoint, "stalled")
 
@@ -279,7 +304,8 @@ async def test_lease_expiry_of_stalled_stream(decode, dataplane):
     await wait_free(dataplane, decode.endpoint, initial)
 
 
-async def test_lease_expiry_complete_but_no_generate(decode, dataplane):
+async def test_lease_expiry_complete_but_no_generate(leased, dataplane):
+    decode = leased
     initial = await free_blocks(dataplane, decode.endpoint)
     kv = await reserve(dataplane, decode.endpoint, "orphan")
     await push(dataplane, decode.endpoint, kv.full())
