@@ -19,6 +19,7 @@ def test_defaults_round_trip_through_yaml() -> None:
     ("data", "field"),
     [
         ([1, 2], "config"),
+        ({"service": {"name": "x"}}, "service"),
         ({"model": 5}, "model"),
         ({"nope": {}}, "nope"),
         ({"decode": {"nope": 1}}, "decode.nope"),

@@ -125,7 +125,8 @@ class ServingConfig:
             if key not in sections:
                 raise ConfigError(f"{key}: unknown configuration section")
             if key == "service":
-                kwargs[key] = str(value)
+                _check_type(key, value, "str")
+                kwargs[key] = value
                 continue
             if not isinstance(value or {}, dict):
                 raise ConfigError(f"{key}: expected a mapping of fields, got {_kind(value)}")
