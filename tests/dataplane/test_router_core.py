@@ -193,6 +193,20 @@ def test_json_body_errors() -> None:
         api.parse_json_body(b"[1, 2]")
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # deeper than the stack
+        b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # past int's digit limit
+        b'{"prompt": "\xff"}',  # not UTF-8
+    ],
+)
+def test_hostile_json_is_a_400_not_a_500(raw: bytes) -> None:
+    with pytest.raises(api.APIError) as info:
+        api.parse_json_body(raw)
+    assert info.value.status == 400 and info.value.code == "invalid_json"
+
+
 # ---- picking ------------------------------------------------------------------------------
 
 

@@ -227,7 +227,9 @@ def _check_neutral(body: dict[str, Any], allowed: set[str]) -> None:
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    # ValueError: malformed JSON, bad UTF-8, or an integer past Python's digit limit;
+    # RecursionError: arrays/objects nested deeper than the parser's stack. All the client's.
+    except (ValueError, RecursionError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(body, dict):
         raise APIError(
