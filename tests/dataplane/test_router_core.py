@@ -254,3 +254,53 @@ async def test_dns_discovery_resolves_a_records() -> None:
     # A name that does not resolve keeps the last good answer (a DNS hiccup keeps the pool).
     d._services["prefill"] = "no-such-host.invalid:5000"
     assert await d.endpoints("prefill") == ["127.0.0.1:5000"]
+
+
+# ---- health from Load polls ---------------------------------------------------------------
+
+
+class _ScriptedLoad:
+    """A Load stub answering from a script: a LoadReport, or a gRPC status code to fail with."""
+
+    def __init__(self, script: list[object]) -> None:
+        self.script = script
+
+    async def Load(self, request: object, timeout: float) -> object:
+        import grpc
+
+        step = self.script.pop(0)
+        if isinstance(step, grpc.StatusCode):
+            raise grpc.aio.AioRpcError(step, grpc.aio.Metadata(), grpc.aio.Metadata(), "scripted")
+        return step
+
+
+async def test_late_load_answers_mean_busy_until_several_in_a_row() -> None:
+    import grpc
+    from splitserve_workers.proto import serving_pb2
+    from splitserve_workers.router.picking import MAX_LATE_POLLS, WorkerPool
+
+    late, gone = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE
+    report = serving_pb2.LoadReport(free_blocks=7, total_blocks=8)
+    pool = WorkerPool("decode", StaticDiscovery(decode=["127.0.0.1:1"]), "most_free_blocks")
+    script: list[object] = [report, late, report, *[late] * MAX_LATE_POLLS, report, gone]
+    try:
+        await pool.refresh()  # creates the worker (its first poll fails: nothing listens)
+        worker = pool.workers["127.0.0.1:1"]
+        worker.stub = _ScriptedLoad(script)
+        await pool.refresh()
+        assert pool.pick() is worker
+        await pool.refresh()  # one late answer: busy, still picked, last report kept
+        assert pool.pick() is worker and worker.load.free_blocks == 7
+        await pool.refresh()  # an answer resets the count
+        for _ in range(MAX_LATE_POLLS - 1):
+            await pool.refresh()
+            assert pool.pick() is worker
+        await pool.refresh()  # late MAX_LATE_POLLS times in a row: taken out of picking
+        assert pool.pick() is None
+        await pool.refresh()
+        assert pool.pick() is worker
+        await pool.refresh()  # refused: out at once
+        assert pool.pick() is None
+        assert script == []
+    finally:
+        await pool.close()

@@ -196,6 +196,10 @@ class Flow:
                     last_reason = f"{worker.load.endpoint}: {_rpc_reason(e)}"
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         too_big += 1
+                    elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        # Busy, not dead (Load polls judge health), and the reservation may
+                        # have landed after all: give its blocks back now, not at lease end.
+                        _spawn(_abort(worker, worker_rid, self.settings.abort_timeout_seconds))
                     else:
                         self.decode.mark_failed(worker.load.endpoint)
                     continue

@@ -36,6 +36,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# A worker that refuses connections is gone at once; one whose Load answer comes late is busy (a
+# long prefill, a loaded node), so only this many late answers in a row take it out of picking.
+MAX_LATE_POLLS = 3
 
 
 @dataclass
@@ -103,6 +106,7 @@ class Worker:
     stub: Any  # the role's service stub
     model: serving_pb2.ModelSpec = field(default_factory=serving_pb2.ModelSpec)
     last_report: float = 0.0
+    late_polls: int = 0  # Load polls in a row that ran past their deadline
 
 
 _STUBS = {
@@ -177,9 +181,14 @@ class WorkerPool:
     async def _poll(self, worker: Worker) -> None:
         try:
             report = await worker.stub.Load(serving_pb2.LoadRequest(), timeout=self._load_timeout)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                worker.late_polls += 1
+                if worker.late_polls < MAX_LATE_POLLS:
+                    return  # busy, not dead: keep the last report until it answers again
             worker.load.healthy = False
             return
+        worker.late_polls = 0
         load = worker.load
         load.healthy = True
         load.draining = report.draining
