@@ -11,8 +11,6 @@ from typing import Any
 
 from .spec import POOLS, Spec
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
-
 
 @dataclass(frozen=True)
 class PoolState:
