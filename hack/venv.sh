@@ -14,10 +14,13 @@ PY
 )
 key=$( { "$py" -c 'import sys; print(sys.version)'; echo "$reqs"; } | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
+mkdir -p "$cache"
+# One creator at a time: concurrent callers wait for it instead of building over each other.
+exec 9>"$venv.lock"
+flock 9
 if [ ! -f "$venv/.complete" ]; then
   echo "creating virtualenv $venv" >&2
   rm -rf "$venv"
-  mkdir -p "$cache"
   "$py" -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip setuptools wheel >&2
   echo "$reqs" > "$venv/requirements.in"
