@@ -98,6 +98,19 @@ def test_cli_arch_and_dtype_override(tmp_path: Path) -> None:
         write_model("huge", tmp_path / "x")
 
 
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [(["--shard-size-mb", "0"], "--shard-size-mb"), (["--device", "tpu"], "--device")],
+)
+def test_cli_bad_flag_exits_2_naming_it(
+    tmp_path: Path, flags: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "m"
+    assert cli_main(["make-model", "--preset", "tiny-llama", "--out", str(out), *flags]) == 2
+    assert capsys.readouterr().err.startswith(f"splitserve make-model: {field}: ")
+    assert not out.exists()
+
+
 def test_big_presets_have_the_advertised_shapes() -> None:
     def params(name: str) -> int:
         p = PRESETS[name]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -360,6 +361,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    error = None
+    if args.shard_size_mb < 1:
+        error = f"--shard-size-mb: {args.shard_size_mb} must be at least 1"
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        error = f"--device: {args.device!r} is not a torch device (cpu, cuda, cuda:N)"
+    if error:
+        print(f"splitserve make-model: {error}", file=sys.stderr)
+        return 2
     out = write_model(
         args.preset,
         args.out,
