@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,7 +26,8 @@ HANG_GUARD_S = 60
 
 async def wait_free(dataplane, endpoint: str, expected: int, role: str = "decode") -> None:
     free = -1
-    for _ in range(400):
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
         free = (await dataplane.load(endpoint, role)).free_blocks
         if free == expected:
             return
@@ -188,7 +190,8 @@ async def test_sigterm_drains_colocated(launch_worker, tiny_model, worker_flags,
     )  # fmt: skip
     tokens = list((await call.read()).token_ids)
     colo.proc.send_signal(signal.SIGTERM)
-    for _ in range(200):  # readiness drops first
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:  # readiness drops first
         if ready_status(colo.metrics_port) == 503:
             break
         await asyncio.sleep(0.02)
@@ -220,7 +223,8 @@ async def test_sigterm_drains_disaggregated_pair(
     decode.proc.send_signal(signal.SIGTERM)
     prefill.proc.send_signal(signal.SIGTERM)
     spec = (await dataplane.load(prefill.endpoint, "prefill")).model
-    for _ in range(200):
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
         if (await dataplane.load(decode.endpoint)).draining:
             break
         await asyncio.sleep(0.02)
