@@ -202,7 +202,7 @@ def test_stop_string_is_trimmed(stack: dict[str, Any], engine: Any) -> None:
 
 def decode_load(stack: dict[str, Any]) -> pb.LoadReport:
     with grpc.insecure_channel(stack["decode"].endpoint) as channel:
-        return pb_grpc.DecodeServiceStub(channel).Load(pb.LoadRequest(), timeout=10)
+        return pb_grpc.DecodeServiceStub(channel).Load(pb.LoadRequest(), timeout=60)
 
 
 def test_early_finishes_free_the_decode_blocks(stack: dict[str, Any], engine: Any) -> None:

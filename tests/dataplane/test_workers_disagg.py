@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import urllib.request
 from pathlib import Path
 
@@ -275,7 +276,8 @@ def metric_value(text: str, name: str) -> float:
 async def wait_for_free_blocks(dataplane, endpoint: str, role: str, expected: int) -> None:
     """Poll Load until the free-block count is back (bounded, to turn a leak into a failure)."""
     free = -1
-    for _ in range(200):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         free = (await dataplane.load(endpoint, role)).free_blocks
         if free == expected:
             return
