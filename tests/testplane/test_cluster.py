@@ -161,7 +161,7 @@ def test_service_account_needs_a_role_binding(
             raise
         return True
 
-    wait_until(allowed, "the RoleBinding to take effect", timeout=30)
+    wait_until(allowed, "the RoleBinding to take effect", timeout=120)
     # The Role is namespaced: other namespaces stay forbidden.
     with pytest.raises(ApiException) as elsewhere:
         sa_core.list_namespaced_pod("default")

@@ -43,7 +43,7 @@ def test_component_that_never_gets_ready_is_killed(tmp_path: Path) -> None:
     with pytest.raises(plane.PlaneError, match="etcd not ready in time"):
         cp.start(timeout=3)
     pid = int(pidfile.read_text())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # bounds a hang; the kill is immediate
     while time.monotonic() < deadline and plane.group_alive(pid):
         time.sleep(0.1)
     assert not plane.group_alive(pid), "stop() must kill the component's process group"
