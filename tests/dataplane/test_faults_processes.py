@@ -216,8 +216,9 @@ async def test_sigterm_drains_colocated(launch_worker, tiny_model, worker_flags,
 async def test_sigterm_drains_disaggregated_pair(
     launch_worker, tiny_model, worker_flags, dataplane
 ):
-    decode = launch_worker("decode", worker_flags(tiny_model))
-    prefill = launch_worker("prefill", worker_flags(tiny_model))
+    # A drain timeout no loaded machine comes near: the 900 tokens must finish, not be cut.
+    decode = launch_worker("decode", worker_flags(tiny_model, "--drain-timeout", "300"))
+    prefill = launch_worker("prefill", worker_flags(tiny_model, "--drain-timeout", "300"))
     call = await start_generation(dataplane, prefill, decode, "inflight", 900)
     tokens = list((await call.read()).token_ids)
     decode.proc.send_signal(signal.SIGTERM)

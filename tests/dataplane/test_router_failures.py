@@ -222,7 +222,16 @@ def test_colocated_pool_via_dns_discovery_and_router_drain(
     # DNS discovery as on Kubernetes: the name resolves (A record) to the worker's address.
     router = launch_worker(
         "router",
-        router_args(tiny_model, "--discovery", "dns", "--colocated", f"localhost:{colocated.port}"),
+        router_args(
+            tiny_model,
+            "--discovery",
+            "dns",
+            "--colocated",
+            f"localhost:{colocated.port}",
+            # Long enough that the 900-token stream below finishes on a loaded machine.
+            "--drain-timeout",
+            "300",
+        ),
     )
     base = f"http://127.0.0.1:{router.port}"
     wait_ready(base)
