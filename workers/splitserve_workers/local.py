@@ -236,6 +236,11 @@ class LiveLine:
         return f"{int(new_requests)} new request(s) | " + " | ".join(parts)
 
 
+# One-off reads whose failure ends the command: generous, since a busy machine answers slowly.
+# The live line's periodic read keeps the short default so it never delays a Ctrl-C for long.
+STARTUP_GET_TIMEOUT_S = 60.0
+
+
 async def _get(url: str, timeout: float = 5.0) -> str:
     import aiohttp
 
@@ -338,7 +343,7 @@ async def run_demo(base: str, model: str, random_weights: bool) -> None:
             f"   {i:>3}   {r['prompt_tokens']:>9}  {r['tokens']:>10}  {r['ttft'] * 1000:>10.1f}"
             f"  {r['tpot'] * 1000:>10.2f}"
         )
-    line = LiveLine().update(await _get(base + "/metrics"))
+    line = LiveLine().update(await _get(base + "/metrics", timeout=STARTUP_GET_TIMEOUT_S))
     if line:
         print(f"router metrics: {line}")
 
@@ -465,7 +470,8 @@ async def _up(
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         base = f"http://{host}:{router.port}"
         await _wait_ready(base)
-        model_name = json.loads(await _get(base + "/v1/models"))["data"][0]["id"]
+        models = json.loads(await _get(base + "/v1/models", timeout=STARTUP_GET_TIMEOUT_S))
+        model_name = models["data"][0]["id"]
         shape = (
             f"{n_colocated} colocated"
             if n_colocated
