@@ -217,9 +217,15 @@ def socket_transfer(sock: socket.socket, k: torch.Tensor, v: torch.Tensor) -> fl
 
 def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[dict[str, float]]:
     import grpc
-    from splitserve_workers.kv_transfer import ChannelPool, encode_kv_chunk, tensor_bytes
+    from splitserve_workers.kv_transfer import (
+        ChannelPool,
+        encode_kv_chunk,
+        keep_large_buffers_in_heap,
+        tensor_bytes,
+    )
     from splitserve_workers.proto import serving_pb2_grpc as pbg
 
+    keep_large_buffers_in_heap()  # as PrefillRole does (the receiver's DecodeRole does too)
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     proc = ctx.Process(target=receiver_main, args=(ports,), daemon=True)

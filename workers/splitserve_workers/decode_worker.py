@@ -27,6 +27,7 @@ from splitserve_workers.kv_transfer import (
     KVChunkView,
     TransferTracker,
     check_compatible,
+    keep_large_buffers_in_heap,
     parse_kv_chunk,
 )
 from splitserve_workers.proto import serving_pb2 as pb
@@ -51,6 +52,7 @@ class DecodeRole:
         # import_kv copies into the cache; one thread keeps the event loop free of it.
         self._imports = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-import")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        keep_large_buffers_in_heap()  # every received KV message is a fresh multi-MiB buffer
 
     # ---- wiring ----
     def register(self, server: grpc.aio.Server) -> None:

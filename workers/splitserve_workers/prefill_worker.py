@@ -19,7 +19,12 @@ import grpc
 
 from splitserve_workers import worker_runtime as rt
 from splitserve_workers.engine_loop import EngineFailure
-from splitserve_workers.kv_transfer import ChannelPool, KVSender, check_compatible
+from splitserve_workers.kv_transfer import (
+    ChannelPool,
+    KVSender,
+    check_compatible,
+    keep_large_buffers_in_heap,
+)
 from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.proto import serving_pb2_grpc as pb_grpc
 
@@ -39,6 +44,7 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
         self.w = worker
         self.loop = worker.loop
         self.pool = ChannelPool()
+        keep_large_buffers_in_heap()  # every KV message is a fresh multi-MiB buffer
         self._active = 0
         self.send_after_prefill = worker.settings.kv_send_after_prefill
 
