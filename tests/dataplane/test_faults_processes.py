@@ -221,9 +221,11 @@ async def test_sigterm_drains_disaggregated_pair(
     prefill = launch_worker("prefill", worker_flags(tiny_model, "--drain-timeout", "300"))
     call = await start_generation(dataplane, prefill, decode, "inflight", 900)
     tokens = list((await call.read()).token_ids)
+    # Read the spec first: the prefill worker has nothing in flight, so after SIGTERM it may
+    # finish draining and close its server before a Load reaches it.
+    spec = (await dataplane.load(prefill.endpoint, "prefill")).model
     decode.proc.send_signal(signal.SIGTERM)
     prefill.proc.send_signal(signal.SIGTERM)
-    spec = (await dataplane.load(prefill.endpoint, "prefill")).model
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
         if (await dataplane.load(decode.endpoint)).draining:
