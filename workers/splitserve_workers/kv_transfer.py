@@ -704,12 +704,16 @@ class KVSender:
 
     def start(self) -> None:
         self._channel_index, channel = self.pool.acquire(self.endpoint)
-        call = push_kv_callable(channel).future(
-            self._messages(),
-            timeout=self.timeout,
-            metadata=((REQUEST_ID_METADATA, self.request_id),),
-            compression=grpc.Compression.NoCompression,
-        )
+        try:
+            call = push_kv_callable(channel).future(
+                self._messages(),
+                timeout=self.timeout,
+                metadata=((REQUEST_ID_METADATA, self.request_id),),
+                compression=grpc.Compression.NoCompression,
+            )
+        except BaseException:
+            self.pool.release(self.endpoint, self._channel_index)
+            raise
         self._call = call
         call.add_done_callback(self._done)
 
