@@ -645,22 +645,8 @@ class KVSender:
             kpart = kb[off * per_token : (off + cnt) * per_token]
             vpart = vb[off * per_token : (off + cnt) * per_token]
             self.bytes += 2 * cnt * per_token
-            if self.hold_until_done:
-                self.chunks += 1
-                self._held.append(
-                    encode_kv_chunk(
-                        request_id,
-                        layer,
-                        token_start + off,
-                        cnt,
-                        self.dtype,
-                        kpart,
-                        vpart,
-                        last=last,
-                    )  # fmt: skip
-                )
-                continue
-            if 2 * cnt * per_token <= self.chunk_bytes // SMALL_FRACTION:
+            small = 2 * cnt * per_token <= self.chunk_bytes // SMALL_FRACTION
+            if small and not self.hold_until_done:
                 # Small slice (short prompt or many layers): copy it out now and let it ride
                 # with the next layers in one message, since per-message cost dominates here.
                 ok = self.queue.merge_small(
@@ -669,18 +655,13 @@ class KVSender:
                 )  # fmt: skip
             else:
                 self.chunks += 1
-                ok = self.queue.put(
-                    encode_kv_chunk(
-                        request_id,
-                        layer,
-                        token_start + off,
-                        cnt,
-                        self.dtype,
-                        kpart,
-                        vpart,
-                        last=last,
-                    )  # fmt: skip
+                message = encode_kv_chunk(
+                    request_id, layer, token_start + off, cnt, self.dtype, kpart, vpart, last=last
                 )
+                if self.hold_until_done:
+                    self._held.append(message)
+                    continue
+                ok = self.queue.put(message)
             if not ok:
                 return  # the stream already failed; the caller sees it in `future`
             if last:
