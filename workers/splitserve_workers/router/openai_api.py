@@ -289,15 +289,22 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     req.model = model or ""
 
 
-def parse_completion(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
-    _check_neutral(body, COMPLETION_PARAMS)
-    req = GenerationRequest(kind="completion", model="")
+def _begin(
+    body: dict[str, Any], kind: str, params: set[str], required: str, header_priority: str | None
+) -> tuple[GenerationRequest, Any]:
+    """What both endpoints check first: parameters, the common fields, the required input."""
+    _check_neutral(body, params)
+    req = GenerationRequest(kind=kind, model="")
     _common(body, req, header_priority)
-    if "prompt" not in body:
+    if required not in body:
         raise APIError(
-            400, "'prompt' is required", param="prompt", code="missing_required_parameter"
+            400, f"'{required}' is required", param=required, code="missing_required_parameter"
         )
-    prompt = body["prompt"]
+    return req, body[required]
+
+
+def parse_completion(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
+    req, prompt = _begin(body, "completion", COMPLETION_PARAMS, "prompt", header_priority)
     # OpenAI accepts a batch as a list; the router serves one prompt per request (n=1).
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -364,14 +371,7 @@ def _message_text(i: int, message: Any) -> dict[str, Any]:
 
 
 def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
-    _check_neutral(body, CHAT_PARAMS)
-    req = GenerationRequest(kind="chat", model="")
-    _common(body, req, header_priority)
-    if "messages" not in body:
-        raise APIError(
-            400, "'messages' is required", param="messages", code="missing_required_parameter"
-        )
-    messages = body["messages"]
+    req, messages = _begin(body, "chat", CHAT_PARAMS, "messages", header_priority)
     if not isinstance(messages, list):
         raise _wrong_type("messages", "an array", messages)
     if not messages:
