@@ -79,6 +79,9 @@ def test_client_disconnect_aborts_on_both_pools(
     )
     base = f"http://127.0.0.1:{router.port}"
     wait_ready(base)
+    # Worker addresses stay private unless --debug-endpoints is given (the tests below do).
+    hidden = httpx.get(base + "/debug/workers", timeout=WAIT_S)
+    assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "not_found"
     initial = {
         "prefill": load(prefill.endpoint, "prefill").free_blocks,
         "decode": load(decode.endpoint, "decode").free_blocks,
@@ -142,6 +145,7 @@ def test_dead_prefill_worker_is_retried_on_another(
             decode.endpoint,
             "--poll-interval",
             "600",
+            "--debug-endpoints",
         ),
     )
     base = f"http://127.0.0.1:{router.port}"
@@ -231,6 +235,7 @@ def test_colocated_pool_via_dns_discovery_and_router_drain(
             # Long enough that the 900-token stream below finishes on a loaded machine.
             "--drain-timeout",
             "300",
+            "--debug-endpoints",
         ),
     )
     base = f"http://127.0.0.1:{router.port}"

@@ -59,6 +59,9 @@ class RouterOptions:
     poll_interval: float = 0.5
     flow: FlowSettings = field(default_factory=FlowSettings)
     drain_timeout: float = 30.0
+    # /debug/workers lists every worker's address and load; off unless asked for, since the
+    # router's port is the one clients reach.
+    debug_endpoints: bool = False
 
 
 def model_config(model_dir: str) -> dict[str, Any]:
@@ -128,7 +131,8 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/debug/workers", self.workers)
+        if self.options.debug_endpoints:
+            app.router.add_get("/debug/workers", self.workers)
         app.on_startup.append(self._start_pools)
         app.on_cleanup.append(self._close_pools)
         return app
@@ -539,6 +543,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, seconds to let in-flight requests finish",
     )
+    parser.add_argument(
+        "--debug-endpoints",
+        action="store_true",
+        help="serve /debug/workers (worker addresses, health and load) on the API port",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -611,6 +620,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         poll_interval=args.poll_interval,
         flow=FlowSettings(admission_timeout_seconds=args.admission_timeout),
         drain_timeout=args.drain_timeout,
+        debug_endpoints=args.debug_endpoints,
     )
     port = args.port if args.port is not None else rs.port
     return options, port
