@@ -122,6 +122,42 @@ def test_export_kv_then_import(
     assert decode_on(b, "r", prompt, first, chunks, params) == expected
 
 
+def test_multi_layer_import_equals_per_layer(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    """One import_kv call per token range carrying every layer ([layers, n, heads, dim]), as a
+    decode worker does with a chunk that batches several layers, decodes like local prefill."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    a = make_engine(block_size=4)
+    prompt = prompt_ids(a, 13)
+    expected = make_engine().generate([prompt], params)[0]
+    a.add_request("r", prompt, params)
+    first = a.step()[0].token_id
+    assert first is not None
+    layers = [a.export_kv("r", layer) for layer in range(a.model_config.num_layers)]
+    k = torch.stack([k for k, _ in layers])
+    v = torch.stack([v for _, v in layers])
+    assert a.abort("r")
+    run(a)
+    b = make_engine(block_size=4)
+    free = b.stats().free_blocks
+    assert b.reserve("r", len(prompt))
+    # Two token ranges that cross block boundaries, each for all layers at once.
+    b.import_kv("r", 0, 0, k[:, :6], v[:, :6])
+    b.import_kv("r", 0, 6, k[:, 6:], v[:, 6:])
+    b.start_decode("r", prompt, first, params)
+    assert [first] + [o.token_id for o in run(b) if o.token_id is not None] == expected
+    assert b.stats().free_blocks == free
+    # A layer range that runs past the model is refused, naming the range.
+    assert b.reserve("s", 4)
+    with pytest.raises(ValueError, match=r"layer: \[1, "):
+        b.import_kv("s", 1, 0, k[:, :4], v[:, :4])
+    with pytest.raises(ValueError, match="must match"):
+        b.import_kv("s", 0, 0, k[:, :4], v[:1, :4])
+    b.release("s")
+    assert b.stats().free_blocks == free
+
+
 def test_reserve_import_validation_and_release(
     make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
 ) -> None:

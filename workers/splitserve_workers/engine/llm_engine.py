@@ -73,6 +73,7 @@ class _Reservation:
     num_prompt_tokens: int
     block_table: list[int]
     imported: list[bytearray]  # per layer, 1 per token already written
+    slots: torch.Tensor  # [num_prompt_tokens] flat cache slot of each prompt token (on device)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -410,44 +411,56 @@ class LLMEngine:
             self._check_new_id(request_id)
             if need > self.block_manager.num_free_blocks:
                 return False
+            table = self.block_manager.allocate(need)
             self._reservations[request_id] = _Reservation(
                 num_prompt_tokens,
-                self.block_manager.allocate(need),
+                table,
                 [bytearray(num_prompt_tokens) for _ in range(self.model_config.num_layers)],
+                # Computed once here: import_kv runs once per chunk and only slices it.
+                self.model_runner.slots(table, 0, num_prompt_tokens).to(self.device),
             )
             return True
 
     def import_kv(
         self, request_id: str, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Writes [n_tokens, kv_heads, head_dim] K/V into a reservation's blocks; ValueError
-        on an unknown reservation, out-of-range layer/tokens, or wrong shape/dtype."""
+        """Writes K/V of tokens [token_start, token_start + n) into a reservation's blocks:
+        [n, kv_heads, head_dim] for `layer`, or [layers, n, kv_heads, head_dim] for that many
+        consecutive layers from `layer` (one call for a chunk that carries several layers).
+        ValueError on an unknown reservation, out-of-range layers/tokens, or wrong shape/dtype."""
         mc = self.model_config
+        shape = (mc.num_kv_heads, mc.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() not in (3, 4) or tuple(t.shape[-2:]) != shape:
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)}, expected [n_tokens, {shape[0]}, {shape[1]}]"
+                    f" or [layers, n_tokens, {shape[0]}, {shape[1]}]"
+                )
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name}: dtype {t.dtype}, the engine uses {self.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"k/v: shapes {tuple(k.shape)} and {tuple(v.shape)} must match")
+        layers = int(k.shape[0]) if k.dim() == 4 else 1
+        n = int(k.shape[-3])
+        if n == 0 or layers == 0:
+            raise ValueError(f"k/v: shape {tuple(k.shape)} carries no tokens")
+        if not (0 <= layer and layer + layers <= mc.num_layers):
+            span = f"{layer}" if layers == 1 else f"[{layer}, {layer + layers})"
+            raise ValueError(f"layer: {span} not in [0, {mc.num_layers})")
         with self._lock:
             r = self._reservations.get(request_id)
             if r is None:
                 raise ValueError(f"request_id: {request_id!r} has no reservation")
-            if not 0 <= layer < mc.num_layers:
-                raise ValueError(f"layer: {layer} not in [0, {mc.num_layers})")
-            shape = (mc.num_kv_heads, mc.head_dim)
-            for name, t in (("k", k), ("v", v)):
-                if t.dim() != 3 or tuple(t.shape[1:]) != shape:
-                    raise ValueError(
-                        f"{name}: shape {tuple(t.shape)}, expected "
-                        f"[n_tokens, {shape[0]}, {shape[1]}]"
-                    )
-                if t.dtype != self.dtype:
-                    raise ValueError(f"{name}: dtype {t.dtype}, the engine uses {self.dtype}")
-            n = k.shape[0]
-            if v.shape[0] != n or n == 0:
-                raise ValueError(f"k/v: token counts {n} and {v.shape[0]} must match and be > 0")
             if not (0 <= token_start and token_start + n <= r.num_prompt_tokens):
                 raise ValueError(
                     f"token_start: [{token_start}, {token_start + n}) is outside the reserved "
                     f"prompt [0, {r.num_prompt_tokens})"
                 )
-            self.model_runner.write_kv(layer, r.block_table, token_start, k, v)
-            r.imported[layer][token_start : token_start + n] = b"\x01" * n
+            slots = r.slots[token_start : token_start + n]
+            self.model_runner.write_kv_slots(layer, slots, k, v)
+            marks = b"\x01" * n
+            for i in range(layer, layer + layers):
+                r.imported[i][token_start : token_start + n] = marks
 
     def start_decode(
         self,

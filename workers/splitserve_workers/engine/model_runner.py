@@ -62,8 +62,23 @@ class ModelRunner:
         self, layer: int, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         idx = self.slots(block_table, start, k.shape[0]).to(self.device)
-        self._flat(layer, 0).index_copy_(0, idx, k.to(self.device))
-        self._flat(layer, 1).index_copy_(0, idx, v.to(self.device))
+        self.write_kv_slots(layer, idx, k, v)
+
+    def write_kv_slots(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """k/v: [n, kv_heads, head_dim] into `layer`, or [layers, n, kv_heads, head_dim] into
+        that many layers from `layer`, at flat cache slots `slots` ([n], on the device): one
+        index_copy_ per side however many layers."""
+        kvH, D = self.cfg.num_kv_heads, self.cfg.head_dim
+        if k.dim() == 3:
+            self._flat(layer, 0).index_copy_(0, slots, k.to(self.device))
+            self._flat(layer, 1).index_copy_(0, slots, v.to(self.device))
+            return
+        n = k.shape[0]
+        for side, t in ((0, k), (1, v)):
+            pool = self.kv_cache[layer : layer + n, side].view(n, -1, kvH, D)
+            pool.index_copy_(1, slots, t.to(self.device))
 
     # ---- forward passes --------------------------------------------------------------------
     @torch.inference_mode()
