@@ -18,6 +18,7 @@ from splitserve_workers.kv_transfer import (
     check_compatible,
     encode_kv_chunk,
     parse_kv_chunk,
+    slice_bytes,
     tensor_bytes,
 )
 from splitserve_workers.proto import serving_pb2 as pb
@@ -148,6 +149,60 @@ def test_queue_merges_small_slices_of_consecutive_layers() -> None:
     first, second = q.get(), q.get()
     assert isinstance(first, _Batch) and len(first.keys) == 3 and first.last
     assert isinstance(second, _Batch) and second.layer == 5
+
+
+def test_open_batch_is_not_taken_half_built() -> None:
+    """The sender waits for a batch to be sealed (here by the last slice) instead of taking it
+    while the engine is still appending layers."""
+    q = ChunkQueue(max_bytes=1 << 20, batch_wait=600.0)
+    got: list[object] = []
+    consumer = threading.Thread(target=lambda: got.append(q.get()), daemon=True)
+    consumer.start()
+    for layer in range(4):
+        time.sleep(0.01)  # the consumer is already waiting while slices arrive
+        assert q.merge_small(layer, 0, 2, b"k" * 4, b"v" * 4, layer == 3, limit=1000)
+    consumer.join(60)  # bounds a hang only
+    [batch] = got
+    assert isinstance(batch, _Batch) and len(batch.keys) == 4 and batch.last and batch.sealed
+
+
+def test_full_batch_leaves_and_open_batch_leaves_after_its_deadline() -> None:
+    q = ChunkQueue(max_bytes=1 << 20, batch_wait=600.0)
+    # 16 bytes per slice, limit 40: after two slices a third would not fit, so the batch is
+    # sealed at once and the sender takes it without waiting for the deadline.
+    for layer in range(2):
+        assert q.merge_small(layer, 0, 2, b"k" * 8, b"v" * 8, False, limit=40)
+    full = q.get()
+    assert isinstance(full, _Batch) and len(full.keys) == 2 and full.sealed
+    q = ChunkQueue(max_bytes=1 << 20, batch_wait=0.05)
+    assert q.merge_small(0, 0, 2, b"k" * 8, b"v" * 8, False, limit=1000)
+    lone = q.get()  # no more layers come: it leaves alone once the deadline passes
+    assert isinstance(lone, _Batch) and len(lone.keys) == 1 and lone.sealed
+    assert q.merge_small(1, 0, 2, b"k" * 8, b"v" * 8, True, limit=1000)  # a new batch
+    rest = q.get()
+    assert isinstance(rest, _Batch) and rest.layer == 1 and rest.last
+
+
+def test_put_seals_the_open_batch_before_it() -> None:
+    q = ChunkQueue(max_bytes=1 << 20, batch_wait=600.0)
+    assert q.merge_small(0, 0, 2, b"k" * 4, b"v" * 4, False, limit=1000)
+    assert q.put(b"message")
+    first = q.get()
+    assert isinstance(first, _Batch) and first.sealed
+    assert q.get() == b"message"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slice_bytes_matches_tensor_memory(dtype: torch.dtype) -> None:
+    t = kv(5, dtype)
+    assert slice_bytes(t) == bytes(tensor_bytes(t))
+    strided = torch.randn(5, 3 * HEADS * DIM).to(dtype)[:, HEADS * DIM : 2 * HEADS * DIM]
+    strided = strided.view(5, HEADS, DIM)  # like v: a column slice of a fused projection
+    assert not strided.is_contiguous()
+    assert slice_bytes(strided) == bytes(tensor_bytes(strided.contiguous()))
+    row = HEADS * DIM * t.element_size()
+    assert slice_bytes(t[2:4]) == bytes(tensor_bytes(t))[2 * row : 4 * row]
+    assert slice_bytes(t[:0]) == b""
 
 
 def test_reservation_leases() -> None:

@@ -37,6 +37,9 @@ MAX_KV_MESSAGE_BYTES = 80 << 20
 DEFAULT_CHANNELS_PER_PEER = 4
 # Slices smaller than chunk_bytes / SMALL_FRACTION are batched across layers (layer_count).
 SMALL_FRACTION = 32
+# How long an open batch of small slices waits for the next layer before it leaves unfilled.
+# Real prefill hands over a layer every few ms; this bounds what batching adds to a transfer.
+BATCH_MAX_WAIT_S = 0.002
 
 PUSH_KV_METHOD = "/splitserve.v1.DecodeService/PushKV"
 REQUEST_ID_METADATA = "splitserve-request-id"
@@ -160,6 +163,18 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.to("cpu")
     t = t.contiguous()
     return t.view(torch.uint8).numpy().data.cast("B")
+
+
+def slice_bytes(t: torch.Tensor) -> bytes:
+    """A copy of a tensor's data as `bytes` (one memcpy from the tensor's memory). For the many
+    small slices of a short prompt this is several times cheaper per call than
+    `bytes(tensor_bytes(t))`, whose cost is torch/numpy dispatch, not the copy."""
+    if not t.is_cpu:
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    n = t.numel() * t.element_size()
+    return ctypes.string_at(t.data_ptr(), n) if n else b""
 
 
 def encode_kv_chunk(
@@ -479,7 +494,11 @@ class _Closed(Exception):
 
 @dataclass
 class _Batch:
-    """Small layer slices of one token range waiting to leave, merged into one message."""
+    """Small layer slices of one token range waiting to leave, merged into one message.
+
+    Open (the engine may still append the next layer) until sealed: when it is full, carries
+    the last token-layer, something is queued behind it, or the sender takes it after
+    `deadline` (BATCH_MAX_WAIT_S after its first slice)."""
 
     layer: int
     token_start: int
@@ -488,6 +507,8 @@ class _Batch:
     values: list[bytes] = field(default_factory=list)
     nbytes: int = 0
     last: bool = False
+    sealed: bool = False
+    deadline: float = 0.0
 
     def encode(self, request_id: str, dtype: str) -> bytes:
         return encode_kv_chunk(
@@ -501,11 +522,17 @@ _Item = bytes | _Batch | None  # a finished message, a mergeable batch, or the e
 
 class ChunkQueue:
     """Bounded by bytes, between the engine thread (put blocks when full: backpressure) and the
-    gRPC request iterator. A small slice can join the batch at the tail while the sender has not
-    taken it yet (`merge_small`). `close` wakes both sides; puts after close are dropped."""
+    gRPC request iterator. A small slice joins the open batch at the tail (`merge_small`).
 
-    def __init__(self, max_bytes: int) -> None:
+    The sender is woken only when there is something it should take now: a finished message,
+    a sealed batch, or a new open batch (whose deadline it then sleeps until). Appending to an
+    open batch wakes nobody: a sender woken on every slice took half-built batches, so a 1 MB
+    transfer left as 1 to 8 messages depending on thread timing, each costing a gRPC round of
+    hand-offs. `close` wakes both sides; puts after close are dropped."""
+
+    def __init__(self, max_bytes: int, batch_wait: float = BATCH_MAX_WAIT_S) -> None:
         self.max_bytes = max_bytes
+        self.batch_wait = batch_wait
         self._items: deque[_Item] = deque()
         self._bytes = 0
         self._closed = False
@@ -517,14 +544,25 @@ class ChunkQueue:
             return 0
         return item.nbytes if isinstance(item, _Batch) else len(item)
 
+    def _seal_tail(self) -> None:
+        """Nothing more joins the tail batch (holds _cond)."""
+        tail = self._items[-1] if self._items else None
+        if isinstance(tail, _Batch) and not tail.sealed:
+            tail.sealed = True
+            self._cond.notify_all()
+
     def put(self, item: _Item) -> bool:
         size = self._size(item)
         with self._cond:
+            self._seal_tail()  # before waiting: a full queue must be able to drain
             # An item larger than the whole budget still goes in once the queue is empty.
             while not self._closed and self._items and self._bytes + size > self.max_bytes:
                 self._cond.wait()
             if self._closed:
                 return False
+            self._seal_tail()
+            if isinstance(item, _Batch) and not item.sealed:
+                item.deadline = time.monotonic() + self.batch_wait
             self._items.append(item)
             self._bytes += size
             self._cond.notify_all()
@@ -533,13 +571,15 @@ class ChunkQueue:
     def merge_small(
         self, layer: int, start: int, count: int, k: bytes, v: bytes, last: bool, limit: int
     ) -> bool:
-        """Append a slice to the tail batch if it continues it (same tokens, next layer) and
-        stays within `limit` bytes; else queue a new batch. False once closed."""
+        """Append a slice to the open tail batch if it continues it (same tokens, next layer)
+        and stays within `limit` bytes; else queue a new batch. A batch is sealed once another
+        slice of this size would not fit, or with the last token-layer. False once closed."""
         size = len(k) + len(v)
         with self._cond:
             tail = self._items[-1] if self._items else None
             if (
                 isinstance(tail, _Batch)
+                and not tail.sealed
                 and not self._closed
                 and tail.token_start == start
                 and tail.token_count == count
@@ -551,17 +591,31 @@ class ChunkQueue:
                 tail.nbytes += size
                 tail.last = last
                 self._bytes += size
-                self._cond.notify_all()
+                if last or tail.nbytes + size > limit:
+                    tail.sealed = True
+                    self._cond.notify_all()
                 return True
-        return self.put(_Batch(layer, start, count, [k], [v], size, last))
+        sealed = last or 2 * size > limit
+        return self.put(_Batch(layer, start, count, [k], [v], size, last, sealed))
 
     def get(self) -> _Item:
-        """Next item, or None at the end of the stream; raises _Closed if closed early."""
+        """Next item, or None at the end of the stream; raises _Closed if closed early. An open
+        batch at the head is taken once sealed or past its deadline."""
         with self._cond:
-            while not self._items and not self._closed:
-                self._cond.wait()
-            if not self._items:
-                raise _Closed
+            while True:
+                if self._items:
+                    head = self._items[0]
+                    if not isinstance(head, _Batch) or head.sealed:
+                        break
+                    wait = head.deadline - time.monotonic()
+                    if wait <= 0:
+                        head.sealed = True
+                        break
+                    self._cond.wait(wait)
+                elif self._closed:
+                    raise _Closed
+                else:
+                    self._cond.wait()
             item = self._items.popleft()
             self._bytes -= self._size(item)
             self._cond.notify_all()
@@ -635,6 +689,20 @@ class KVSender:
         if self.first_kv_at is None:
             self.first_kv_at = now
         n = int(k.shape[0])
+        nbytes = k.numel() * k.element_size()
+        if 2 * nbytes <= self.chunk_bytes // SMALL_FRACTION and not self.hold_until_done:
+            # Small slice (short prompt or many layers): copy it out now and let it ride with
+            # the next layers in one message, since per-message cost dominates here.
+            self.sent_token_layers += n
+            self.bytes += 2 * nbytes
+            last = self.sent_token_layers >= self.expected_token_layers
+            ok = self.queue.merge_small(
+                layer, token_start, n, slice_bytes(k), slice_bytes(v), last, self.chunk_bytes
+            )
+            if ok and last:
+                self.queue.put(None)
+            self.last_kv_at = time.monotonic()
+            return
         kb, vb = tensor_bytes(k), tensor_bytes(v)
         per_token = len(kb) // n if n else 0
         step = max(1, self.chunk_bytes // max(1, 2 * per_token)) if per_token else max(n, 1)
@@ -645,24 +713,14 @@ class KVSender:
             kpart = kb[off * per_token : (off + cnt) * per_token]
             vpart = vb[off * per_token : (off + cnt) * per_token]
             self.bytes += 2 * cnt * per_token
-            small = 2 * cnt * per_token <= self.chunk_bytes // SMALL_FRACTION
-            if small and not self.hold_until_done:
-                # Small slice (short prompt or many layers): copy it out now and let it ride
-                # with the next layers in one message, since per-message cost dominates here.
-                ok = self.queue.merge_small(
-                    layer, token_start + off, cnt, bytes(kpart), bytes(vpart), last,
-                    self.chunk_bytes,
-                )  # fmt: skip
-            else:
-                self.chunks += 1
-                message = encode_kv_chunk(
-                    request_id, layer, token_start + off, cnt, self.dtype, kpart, vpart, last=last
-                )
-                if self.hold_until_done:
-                    self._held.append(message)
-                    continue
-                ok = self.queue.put(message)
-            if not ok:
+            self.chunks += 1
+            message = encode_kv_chunk(
+                request_id, layer, token_start + off, cnt, self.dtype, kpart, vpart, last=last
+            )
+            if self.hold_until_done:
+                self._held.append(message)
+                continue
+            if not self.queue.put(message):
                 return  # the stream already failed; the caller sees it in `future`
             if last:
                 self.queue.put(None)
