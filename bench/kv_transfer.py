@@ -20,6 +20,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -187,8 +189,24 @@ def grpc_transfer(
     return time.perf_counter() - t0
 
 
+def sender_messages(
+    pool: Any, n_tokens: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int
+) -> list[bytes]:
+    """The messages KVSender sends for one transfer (same batching and splitting), encoded."""
+    from splitserve_workers.kv_transfer import KVSender
+
+    total = 2 * LAYERS * k.numel() * k.element_size()
+    sender = KVSender(
+        pool, "", "sink", n_tokens, LAYERS, DTYPE, chunk_bytes=chunk_bytes, queue_bytes=2 * total
+    )
+    for layer in range(LAYERS):
+        sender.on_kv("sink", layer, 0, k, v)
+    return list(sender._messages())
+
+
 def sink_transfer(pool: Any, endpoint: str, messages: list[bytes]) -> float:
-    """Already-encoded messages into the counting handler: gRPC's own cost, none of ours."""
+    """Already-encoded messages into the counting handler on an open stream (KVSender, too,
+    opens its stream before the first layer): gRPC's own cost, none of ours."""
     from splitserve_workers.proto import serving_pb2 as pb
 
     push = pool.get(endpoint).stream_unary(
@@ -196,8 +214,18 @@ def sink_transfer(pool: Any, endpoint: str, messages: list[bytes]) -> float:
         request_serializer=lambda b: b,
         response_deserializer=pb.PushKVResponse.FromString,
     )
+    feed: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def requests() -> Iterator[bytes]:
+        while (m := feed.get()) is not None:
+            yield m
+
+    call = push.future(requests())
     t0 = time.perf_counter()
-    push(iter(messages))
+    for m in messages:
+        feed.put(m)
+    feed.put(None)
+    call.result()
     return time.perf_counter() - t0
 
 
@@ -220,9 +248,7 @@ def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[d
     import grpc
     from splitserve_workers.kv_transfer import (
         ChannelPool,
-        encode_kv_chunk,
         keep_large_buffers_in_heap,
-        tensor_bytes,
     )
     from splitserve_workers.proto import serving_pb2_grpc as pbg
 
@@ -248,10 +274,7 @@ def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[d
             # shared machine hits both alike; report the median.
             grpc_transfer(stub, pool, endpoint, f"warm-{i}", n_tokens, k, v, chunk_bytes)
             socket_transfer(sock, k, v)
-            messages = [
-                encode_kv_chunk("sink", layer, 0, n_tokens, DTYPE, tensor_bytes(k), tensor_bytes(v))
-                for layer in range(LAYERS)
-            ]
+            messages = sender_messages(pool, n_tokens, k, v, chunk_bytes)
             g, s, f = [], [], []
             # Rows up to 16 MB take milliseconds, and a single load spike on this shared
             # machine moved a median of 3 by +-50%: they get at least SMALL_ROW_REPEATS.
@@ -269,7 +292,7 @@ def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[d
                     "grpc_bytes_per_s": payload / gt,
                     "socket_bytes_per_s": payload / st,
                     "ratio": st / gt,
-                    # Context: bare gRPC streaming of the same messages (one per layer).
+                    # Context: bare gRPC streaming of the messages KVSender sends.
                     "grpc_transport_bytes_per_s": payload / ft,
                 }
             )
