@@ -1,8 +1,9 @@
 """Moving one request's KV cache from a prefill worker to a decode worker over DecodeService.PushKV.
 
-The prefill side (`KVSender`) turns each layer slice the engine hands to `on_kv` into one finished
-KVChunk message on the engine thread (the only copy on that side), queues it in a bounded queue
-(backpressure) and streams it over a pooled channel with the sync gRPC API. The decode side parses
+The prefill side (`KVSender`) turns each layer slice the engine hands to `on_kv` into finished
+KVChunk messages on the engine thread (the only copy on that side; small slices are copied out
+and batched across layers instead, joined when the batch leaves), queues them in a bounded queue
+(backpressure) and streams them over a pooled channel with the sync gRPC API. The decode side parses
 chunks without copying (`parse_kv_chunk`: memoryviews into the received bytes), checks them
 (`TransferTracker`) and hands torch views to engine.import_kv. Both ends share the channel settings
 and the compatibility check (`model_spec`, `check_compatible`). reservations.py owns the leases.
@@ -644,7 +645,9 @@ class KVSender:
     """Streams one request's KV to a decode worker as the engine computes it.
 
     `on_kv` is the engine callback (engine thread): it copies the slice into ready-to-send
-    messages, split to at most `chunk_bytes`, and blocks while the queue is full. The message
+    messages, split to at most `chunk_bytes` (or, for a slice of at most chunk_bytes /
+    SMALL_FRACTION, into the open batch of the layers before it), and blocks while the queue
+    is full. The message
     carrying the last token-layer has `last` set. `start` opens the PushKV stream (gRPC's own
     thread drains the queue); `future` resolves to a TransferResult or raises grpc.RpcError.
     """
