@@ -65,8 +65,14 @@ class BenchEngine:
         return n <= self._cache.shape[2]
 
     def import_kv(self, request_id: str, layer: int, start: int, k: Any, v: Any) -> None:
-        self._cache[layer, 0, start : start + k.shape[0]].copy_(k)
-        self._cache[layer, 1, start : start + v.shape[0]].copy_(v)
+        # [n, heads, dim] for one layer or [layers, n, heads, dim] for a batch, as the engine.
+        n = k.shape[-3]
+        if k.dim() == 3:
+            self._cache[layer, 0, start : start + n].copy_(k)
+            self._cache[layer, 1, start : start + n].copy_(v)
+        else:
+            self._cache[layer : layer + k.shape[0], 0, start : start + n].copy_(k)
+            self._cache[layer : layer + k.shape[0], 1, start : start + n].copy_(v)
 
     def release(self, request_id: str) -> None:
         return None

@@ -44,7 +44,9 @@ def test_encoded_chunk_is_plain_protobuf_and_parses_back(dtype: torch.dtype) -> 
     view = parse_kv_chunk(data)
     assert view.malformed is None and view.layer_count == 1
     tracker = TransferTracker("r", 12, 4, HEADS, DIM, name)
-    [(layer, k2, v2)] = tracker.accept(view)
+    accepted = tracker.accept(view)
+    assert accepted is not None
+    layer, k2, v2 = accepted
     assert layer == 3 and torch.equal(k2, k) and torch.equal(v2, v)
 
 
@@ -59,16 +61,18 @@ def test_generated_serialization_parses_too() -> None:
     assert bytes(view.key) == msg.key
 
 
-def test_layer_batch_splits_into_layers() -> None:
+def test_layer_batch_is_one_multi_layer_view() -> None:
     ks = [kv(3) for _ in range(3)]
     vs = [kv(3) for _ in range(3)]
     batch = _Batch(
         1, 0, 3, [bytes(tensor_bytes(t)) for t in ks], [bytes(tensor_bytes(t)) for t in vs]
     )
     tracker = TransferTracker("r", 3, 4, HEADS, DIM, "float32")
-    out = tracker.accept(parse_kv_chunk(batch.encode("r", "float32")))
-    assert [layer for layer, _, _ in out] == [1, 2, 3]
-    assert all(torch.equal(k, ks[i]) and torch.equal(v, vs[i]) for i, (_, k, v) in enumerate(out))
+    accepted = tracker.accept(parse_kv_chunk(batch.encode("r", "float32")))
+    assert accepted is not None
+    first, k, v = accepted  # one [layers, tokens, heads, dim] view per side: one import call
+    assert first == 1 and k.shape == v.shape == (3, 3, HEADS, DIM)
+    assert all(torch.equal(k[i], ks[i]) and torch.equal(v[i], vs[i]) for i in range(3))
     assert tracker.received_token_layers == 9 and not tracker.complete
 
 
@@ -106,7 +110,7 @@ def test_tracker_rejects_with_field_names() -> None:
     t.accept(parse_kv_chunk(chunk()))
     with pytest.raises(KVChunkError, match="duplicate"):
         t.accept(parse_kv_chunk(chunk(token_start=1)))
-    assert t.accept(parse_kv_chunk(chunk(token_count=0, last=True))) == []  # bare end marker
+    assert t.accept(parse_kv_chunk(chunk(token_count=0, last=True))) is None  # bare end marker
 
 
 def test_compatibility_names_the_first_mismatch() -> None:

@@ -211,13 +211,14 @@ class DecodeRole:
                     if res.state is State.FAILED and res.failure is not None:
                         await context.abort(res.failure.code, res.failure.message)
                     try:
-                        layers = res.tracker.accept(chunk)
+                        payload = res.tracker.accept(chunk)
                     except KVChunkError as e:
                         self._fail(res, e.code, e.message, "invalid_chunk")
                         await context.abort(e.code, e.message)
                         raise  # unreachable
                     self.reservations.touch(res, time.monotonic())
-                    for layer, k, v in layers:
+                    if payload is not None:
+                        layer, k, v = payload
                         await self._import(res, layer, chunk.token_start, k, v, pending, context)
                     if chunk.last:
                         await self._settle_imports(res, pending, 0, context)
@@ -279,9 +280,10 @@ class DecodeRole:
         pending: deque[asyncio.Future[str | None]],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """Copy one layer slice into the reserved blocks. Small slices are copied inline (a
-        thread hop costs more than the copy); large ones go to the import thread while the next
-        chunk is received, at most MAX_PENDING_IMPORTS in flight (their bytes stay alive)."""
+        """Copy one chunk (one layer, or a batch of consecutive layers in one engine call) into
+        the reserved blocks. Small chunks are copied inline (a thread hop costs more than the
+        copy); large ones go to the import thread while the next chunk is received, at most
+        MAX_PENDING_IMPORTS in flight (their bytes stay alive)."""
         rid = res.request_id
         if 2 * k.numel() * k.element_size() <= INLINE_IMPORT_BYTES:
             error = self._import_kv(rid, layer, token_start, k, v)

@@ -350,9 +350,10 @@ class TransferTracker:
     def progress(self) -> str:
         return f"{self.received_token_layers} of {self.expected_token_layers} token-layers"
 
-    def accept(self, chunk: KVChunkView) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Validate one chunk; returns (layer, k, v) views shaped [tokens, kv_heads, head_dim]
-        for each layer it carries (none for a bare `last` marker)."""
+    def accept(self, chunk: KVChunkView) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """Validate one chunk; returns (first layer, k, v) as views into the message, shaped
+        [tokens, kv_heads, head_dim] for one layer or [layers, tokens, kv_heads, head_dim] for a
+        batch of consecutive layers (what engine.import_kv takes); None for a bare last marker."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if chunk.malformed:
             raise KVChunkError(bad, chunk.malformed)
@@ -364,7 +365,7 @@ class TransferTracker:
         if chunk.token_count == 0 and not len(chunk.key) and not len(chunk.value):
             if not chunk.last:
                 raise KVChunkError(bad, "token_count: 0 is only allowed on the last chunk")
-            return []
+            return None
         if chunk.dtype != self.dtype:
             raise KVChunkError(
                 bad, f"dtype: {chunk.dtype!r} does not match the reservation's {self.dtype!r}"
@@ -402,16 +403,16 @@ class TransferTracker:
         ones = b"\x01" * count
         for layer in range(first, first + nl):
             self._covered[layer][start : start + count] = ones
-        # One tensor view per side for the whole chunk, split by layer in a single op: per-layer
-        # frombuffer calls cost more than the copy itself for batched small slices.
-        shape = (nl, count, self.num_kv_heads, self.head_dim)
-        ks = torch.frombuffer(chunk.key, dtype=self.torch_dtype).view(shape).unbind(0)
-        vs = torch.frombuffer(chunk.value, dtype=self.torch_dtype).view(shape).unbind(0)
-        out = [(first + i, ks[i], vs[i]) for i in range(nl)]
+        # One tensor view per side for the whole chunk: the engine imports every layer of a
+        # batch in one call (per-layer views and calls cost more than the copy for small slices).
+        layer_shape = (count, self.num_kv_heads, self.head_dim)
+        shape = (nl, *layer_shape) if nl > 1 else layer_shape
+        k = torch.frombuffer(chunk.key, dtype=self.torch_dtype).view(shape)
+        v = torch.frombuffer(chunk.value, dtype=self.torch_dtype).view(shape)
         self.received_token_layers += count * nl
         self.chunks += 1
         self.bytes += len(chunk.key) + len(chunk.value)
-        return out
+        return first, k, v
 
 
 # ---- prefill side: sending a transfer --------------------------------------------------------
