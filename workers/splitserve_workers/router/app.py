@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -128,6 +129,7 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_endpoint)
@@ -173,6 +175,19 @@ class Router:
             api.models_response(self.options.model_name, self.created, self.options.max_model_len)
         )
 
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model} (the openai client's `models.retrieve`)."""
+        name = request.match_info["model"]
+        if name != self.options.model_name:
+            raise api.APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves "
+                f"'{self.options.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        return web.json_response(api.model_object(name, self.created, self.options.max_model_len))
+
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -214,6 +229,11 @@ class Router:
                 413,
                 f"request body exceeds the limit of {limit} bytes (router.max_request_bytes)",
                 code="request_too_large",
+            ) from e
+        except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
+            detail = " ".join(str(e).split())  # aiohttp's text spans lines
+            raise api.APIError(
+                400, f"request body cannot be read: {detail}", code="invalid_body"
             ) from e
 
     def _prompt_ids(self, req: api.GenerationRequest) -> tuple[list[int], str]:
@@ -626,12 +646,21 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
     return options, port
 
 
+class ListenError(Exception):
+    """The router's port cannot be bound."""
+
+
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT (or `stop`), then drains in-flight requests."""
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # a port in use: `run` prints one line instead of a traceback
+        await runner.cleanup()
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise ListenError(f"port: cannot listen on {host}:{port}: {reason}") from e
     server = getattr(site, "_server", None)
     sockets = getattr(server, "sockets", None) or []
     bound = sockets[0].getsockname()[1] if sockets else port
@@ -661,5 +690,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError included: bad input, named, exit 2 like the workers
         print(f"splitserve router: {e}", file=sys.stderr)
         return 2
-    asyncio.run(serve(router, args.host, port))
+    try:
+        asyncio.run(serve(router, args.host, port))
+    except ListenError as e:
+        print(f"splitserve router: {e}", file=sys.stderr)
+        return 1
     return 0

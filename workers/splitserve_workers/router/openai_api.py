@@ -206,6 +206,12 @@ COMPLETION_PARAMS = _COMMON | {"prompt", "echo"}
 CHAT_PARAMS = (_COMMON | {"messages", "max_completion_tokens"}) - {"suffix", "best_of"}
 
 
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # `in` alone would take true for 1 and false for 0 (Python's bool is an int): "n": true
+    # must not pass as n=1.
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
 def _check_neutral(body: dict[str, Any], allowed: set[str]) -> None:
     for name in sorted(body):
         if name not in allowed:
@@ -215,7 +221,7 @@ def _check_neutral(body: dict[str, Any], allowed: set[str]) -> None:
                 param=name,
                 code="unknown_parameter",
             )
-        if name in _NEUTRAL and body[name] not in _NEUTRAL[name]:
+        if name in _NEUTRAL and not _is_neutral(body[name], _NEUTRAL[name]):
             raise APIError(
                 400,
                 f"'{name}' is not supported by this server (got {json.dumps(body[name])[:80]})",
@@ -377,9 +383,10 @@ def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> Gene
     if not messages:
         raise invalid("messages", "'messages' must not be empty")
     req.messages = [_message_text(i, m) for i, m in enumerate(messages)]
-    req.max_tokens = _int(body, "max_completion_tokens", 1)
-    if req.max_tokens is None:
-        req.max_tokens = _int(body, "max_tokens", 1)
+    # Both are validated; the newer max_completion_tokens wins when both are given.
+    max_completion_tokens = _int(body, "max_completion_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1)
+    req.max_tokens = max_tokens if max_completion_tokens is None else max_completion_tokens
     return req
 
 
@@ -468,19 +475,18 @@ def usage_chunk(
     }
 
 
-def models_response(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+def model_object(model: str, created: int, max_model_len: int) -> dict[str, Any]:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": created,
-                "owned_by": "splitserve",
-                "max_model_len": max_model_len,
-            }
-        ],
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "splitserve",
+        "max_model_len": max_model_len,
     }
+
+
+def models_response(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_object(model, created, max_model_len)]}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -1,0 +1,86 @@
+"""Router requests at the edge of the OpenAI API: `GET /v1/models/{id}` (the openai client's
+`models.retrieve`), a body that does not match its Content-Encoding, booleans where a neutral
+number is expected, and `max_tokens` next to `max_completion_tokens`. Each is a 4xx naming the
+field (or a 200), never a 500. The HTTP cases run the real aiohttp app in-process without
+workers: none of them reaches a worker."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from splitserve_workers.router import openai_api as api
+from splitserve_workers.router.app import Router, RouterOptions, load_tokenizer
+from splitserve_workers.router.discovery import StaticDiscovery
+
+
+@pytest.fixture
+async def client(tiny_model: Path) -> AsyncIterator[TestClient]:
+    options = RouterOptions(
+        model_name="tiny",
+        model_dir=str(tiny_model),
+        max_model_len=1024,
+        # Nothing listens there; no request below gets as far as a worker.
+        discovery=StaticDiscovery(["127.0.0.1:9"], ["127.0.0.1:9"], []),
+        poll_interval=5.0,
+    )
+    router = Router(options, load_tokenizer(str(tiny_model)))
+    async with TestClient(TestServer(router.app())) as c:
+        yield c
+
+
+async def test_models_retrieve_by_id(client: TestClient) -> None:
+    r = await client.get("/v1/models/tiny")
+    assert r.status == 200
+    body = await r.json()
+    assert body["id"] == "tiny" and body["object"] == "model"
+    assert body == (await (await client.get("/v1/models")).json())["data"][0]
+    r = await client.get("/v1/models/org/other")
+    assert r.status == 404
+    error = (await r.json())["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+async def test_body_not_matching_its_content_encoding_is_a_400(client: TestClient) -> None:
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    # aiohttp closes a connection whose payload failed to decode: do not reuse it below.
+    bad = {**headers, "connection": "close"}
+    r = await client.post("/v1/completions", data=b"not gzip at all", headers=bad)
+    assert r.status == 400
+    error = (await r.json())["error"]
+    assert error["code"] == "invalid_body" and error["type"] == "invalid_request_error"
+    # A body that is gzip is still read (and here refused for its content, not its encoding).
+    body = gzip.compress(json.dumps({"prompt": "hi", "n": 2}).encode())
+    r = await client.post("/v1/completions", data=body, headers=headers)
+    assert r.status == 400 and (await r.json())["error"]["param"] == "n"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("n", True), ("best_of", True), ("presence_penalty", False), ("top_logprobs", False)],
+)
+def test_boolean_is_not_a_neutral_number(name: str, value: bool) -> None:
+    with pytest.raises(api.APIError) as err:
+        api.parse_completion({"prompt": "x", name: value})
+    assert err.value.status == 400 and err.value.param == name
+
+
+def test_neutral_values_still_pass() -> None:
+    body = {"prompt": "x", "n": 1, "best_of": 1.0, "presence_penalty": 0, "logprobs": 0}
+    assert api.parse_completion(body).prompt == "x"
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": False, "n": 1}
+    assert api.parse_chat(chat).messages
+
+
+def test_max_tokens_is_validated_next_to_max_completion_tokens() -> None:
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(api.APIError) as err:
+        api.parse_chat({"messages": messages, "max_completion_tokens": 3, "max_tokens": "abc"})
+    assert err.value.param == "max_tokens" and err.value.code == "invalid_type"
+    req = api.parse_chat({"messages": messages, "max_completion_tokens": 3, "max_tokens": 7})
+    assert req.max_tokens == 3
+    assert api.parse_chat({"messages": messages, "max_tokens": 7}).max_tokens == 7
