@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,8 +49,9 @@ def ensure_model(model: str | None, preset: str = DEFAULT_PRESET) -> Path:
     the cache (so `splitserve up` works on a fresh machine with nothing downloaded)."""
     if model:
         path = Path(model)
-        if not (path / "config.json").is_file():
-            raise _usage_error(f"--model: {model} has no config.json")
+        for name in ("config.json", "tokenizer.json"):
+            if not (path / name).is_file():
+                raise _usage_error(f"--model: {model} has no {name}")
         return path
     path = cache_dir() / preset
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
@@ -58,9 +60,9 @@ def ensure_model(model: str | None, preset: str = DEFAULT_PRESET) -> Path:
     print(f"building the {preset} model once into {path} ...", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=path.parent))
     try:
-        subprocess.run(
-            splitserve_cmd("make-model", "--preset", preset, "--out", str(tmp)), check=True
-        )
+        built = subprocess.run(splitserve_cmd("make-model", "--preset", preset, "--out", str(tmp)))
+        if built.returncode != 0:  # make-model has printed why (e.g. an unknown preset)
+            raise _usage_error(f"--preset: building {preset!r} failed") from None
         try:
             tmp.rename(path)  # atomic: a concurrent `up` either sees all of it or none
         except OSError:
@@ -387,6 +389,27 @@ def _usage_error(message: str) -> SystemExit:
     return SystemExit(2)
 
 
+def _router_port(args: argparse.Namespace) -> int:
+    # The demo exits by itself: any free port, so it never collides with a real `up`.
+    return int(args.port if args.port is not None else (0 if args.demo else 8000))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before any worker loads a model when the router's port is taken. Same
+    SO_REUSEADDR as aiohttp, so a port in TIME_WAIT does not count as taken."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise _usage_error(f"--host: cannot resolve {host!r}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise _usage_error(f"--port: cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     if args.port is not None and not 0 <= args.port <= 65535:
         raise _usage_error(f"--port: {args.port} must be in [0, 65535]")
@@ -455,8 +478,7 @@ async def _up(
             "--model",
             str(model),
             "--port",
-            # The demo exits by itself: any free port, so it never collides with a real `up`.
-            str(args.port if args.port is not None else (0 if args.demo else 8000)),
+            str(_router_port(args)),
             "--host",
             args.host,
         ]
@@ -535,6 +557,8 @@ async def _watch(stack: LocalStack, base: str, stop: asyncio.Event, interval: fl
 
 def run(args: argparse.Namespace) -> int:
     counts = _check_counts(args)
+    if _router_port(args):
+        _check_port_free(args.host, _router_port(args))
     model = ensure_model(args.model, args.preset)
     if args.log_dir:
         log_dir = Path(args.log_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -28,6 +29,11 @@ from splitserve_workers.worker_http import WorkerMetricsUpdater, WorkerStatus, s
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9100
+
+
+class StartupError(Exception):
+    """The worker cannot start here (a port in use, a model that does not load): the command
+    prints one line naming what failed and exits 1, instead of a traceback."""
 
 
 @dataclass
@@ -142,6 +148,9 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
         engine_config(settings).validate()
     except ValueError as e:  # "EngineConfig.<field>: ..." names the field too
         raise ConfigError(str(e).removeprefix("EngineConfig.")) from e
+    # The engine needs the tokenizer too (EOS ids, chat template); say so before loading weights.
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        raise ConfigError(f"model.path: {model_dir} has no tokenizer.json")
     return settings
 
 
@@ -246,22 +255,39 @@ async def serve(settings: WorkerSettings, make_role: Any) -> int:
         aio_loop.add_signal_handler(sig, stop.set)
 
     # Probes first: liveness answers while the model loads; readiness stays false until then.
-    runner, metrics_port = await start_http(
-        worker.status, worker.registry, settings.host, settings.metrics_port
-    )
-    log.info("loading %s on %s", settings.model_dir, settings.device)
-    engine = await aio_loop.run_in_executor(None, load_engine, settings)
-    worker.attach_engine(engine)
-    worker.loop.start()
-    role: Role = make_role(worker)
-
+    try:
+        runner, metrics_port = await start_http(
+            worker.status, worker.registry, settings.host, settings.metrics_port
+        )
+    except OSError as e:
+        where = f"{settings.host}:{settings.metrics_port}"
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise StartupError(f"metrics_port: cannot listen on {where}: {reason}") from e
+    # Both ports are taken before the model loads, so a port in use fails in a second rather
+    # than after a long load. Servicers are registered later, before start().
     server = grpc.aio.server(
         options=kv_channel_options(), compression=grpc.Compression.NoCompression
     )
-    role.register(server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    try:
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    except RuntimeError:  # grpcio raises on a failed bind (older versions returned 0)
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind gRPC port {settings.host}:{settings.port}")
+        await runner.cleanup()
+        where = f"{settings.host}:{settings.port}"
+        raise StartupError(f"port: cannot listen on {where} (address in use?)")
+    log.info("loading %s on %s", settings.model_dir, settings.device)
+    try:
+        engine = await aio_loop.run_in_executor(None, load_engine, settings)
+    except Exception as e:  # unreadable, truncated or inconsistent model files
+        await runner.cleanup()
+        log.debug("model load failed", exc_info=True)
+        reason = f"{type(e).__name__}: {e}"
+        raise StartupError(f"model.path: cannot load {settings.model_dir}: {reason}") from e
+    worker.attach_engine(engine)
+    worker.loop.start()
+    role: Role = make_role(worker)
+    role.register(server)
     await server.start()
     worker.status.loaded = True
     log.info(
@@ -302,7 +328,11 @@ def run_role(role_name: str, args: argparse.Namespace, make_role: Any) -> int:
     except ConfigError as e:
         print(f"splitserve {role_name}: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(settings, make_role))
+    try:
+        return asyncio.run(serve(settings, make_role))
+    except StartupError as e:
+        print(f"splitserve {role_name}: {e}", file=sys.stderr)
+        return 1
 
 
 # ---- conversions shared by the servicers ------------------------------------------------------

@@ -368,18 +368,24 @@ def run(args: argparse.Namespace) -> int:
         torch.device(args.device)
     except RuntimeError:
         error = f"--device: {args.device!r} is not a torch device (cpu, cuda, cuda:N)"
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        error = f"--out: {args.out} exists and is not a directory"
     if error:
         print(f"splitserve make-model: {error}", file=sys.stderr)
         return 2
-    out = write_model(
-        args.preset,
-        args.out,
-        arch=args.arch,
-        dtype=args.dtype,
-        seed=args.seed,
-        shard_bytes=args.shard_size_mb << 20,
-        device=args.device,
-    )
+    try:
+        out = write_model(
+            args.preset,
+            args.out,
+            arch=args.arch,
+            dtype=args.dtype,
+            seed=args.seed,
+            shard_bytes=args.shard_size_mb << 20,
+            device=args.device,
+        )
+    except OSError as e:  # no permission, disk full: one line, not a traceback
+        print(f"splitserve make-model: --out: cannot write {args.out}: {e}", file=sys.stderr)
+        return 1
     cfg = json.loads((out / "config.json").read_text())
     print(f"wrote {cfg['architectures'][0]} ({args.preset}) to {out}")
     return 0

@@ -1,0 +1,111 @@
+"""Commands that cannot start say why in one line and exit non-zero, without a traceback: a port
+already in use (router, worker gRPC and metrics ports, `up`'s router port, checked before any
+model loads), a model directory without tokenizer.json, a preset `up` cannot build."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from splitserve_workers.cli import main
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture
+def no_tokenizer(tiny_model: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model, out)
+    (out / "tokenizer.json").unlink()
+    return out
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], prefix: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("splitserve ")]
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0]
+
+
+def test_router_port_in_use(
+    tiny_model: Path, busy_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["router", "--model", str(tiny_model), "--host", "127.0.0.1"]
+    args += ["--port", str(busy_port), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]
+    assert main(args) == 1
+    line = one_line_error(capsys, "splitserve router: port: cannot listen on ")
+    assert str(busy_port) in line
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_worker_port_in_use_fails_before_loading(
+    tiny_model: Path, busy_port: int, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ports = {"--port": "0", "--metrics-port": "0", flag: str(busy_port)}
+    args = ["prefill", "--model", str(tiny_model), "--host", "127.0.0.1"]
+    args += [a for pair in ports.items() for a in pair]
+    assert main(args) == 1
+    field = flag.removeprefix("--").replace("-", "_")
+    line = one_line_error(capsys, f"splitserve prefill: {field}: cannot listen on ")
+    assert str(busy_port) in line
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+def test_worker_model_without_tokenizer_exits_2(
+    role: str, no_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([role, "--model", str(no_tokenizer), "--port", "0", "--metrics-port", "0"]) == 2
+    line = one_line_error(capsys, f"splitserve {role}: model.path: ")
+    assert line.endswith("has no tokenizer.json")
+
+
+def test_worker_unloadable_weights_is_one_line(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    args = ["decode", "--model", str(broken), "--port", "0", "--metrics-port", "0"]
+    assert main(args) == 1
+    one_line_error(capsys, f"splitserve decode: model.path: cannot load {broken}: ")
+
+
+def test_up_port_in_use_exits_2_before_starting(
+    tiny_model: Path, busy_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--model", str(tiny_model), "--port", str(busy_port)])
+    assert exit_.value.code == 2
+    one_line_error(capsys, "splitserve up: --port: cannot listen on ")
+
+
+def test_up_model_without_tokenizer_exits_2(
+    no_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--model", str(no_tokenizer), "--port", "0"])
+    assert exit_.value.code == 2
+    one_line_error(capsys, "splitserve up: --model: ")
+
+
+def test_up_unknown_preset_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--preset", "no-such-preset", "--port", "0"])
+    assert exit_.value.code == 2
+    err = capfd.readouterr().err  # make-model's own complaint comes from the child process
+    assert "Traceback" not in err, err
+    assert "splitserve up: --preset: building 'no-such-preset' failed" in err
+    assert "invalid choice: 'no-such-preset'" in err
