@@ -109,3 +109,14 @@ def test_up_unknown_preset_exits_2(
     assert "Traceback" not in err, err
     assert "splitserve up: --preset: building 'no-such-preset' failed" in err
     assert "invalid choice: 'no-such-preset'" in err
+
+
+def test_up_bad_config_exits_2_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "serving.yaml"
+    config.write_text("decode:\n  port: 99999\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--model", str(tmp_path), "--config", str(config), "--port", "0"])
+    assert exit_.value.code == 2
+    one_line_error(capsys, "splitserve up: decode.port: 99999")

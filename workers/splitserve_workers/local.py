@@ -557,6 +557,13 @@ async def _watch(stack: LocalStack, base: str, stop: asyncio.Event, interval: fl
 
 def run(args: argparse.Namespace) -> int:
     counts = _check_counts(args)
+    if args.config:  # every child would fail on it after loading torch: say so once, now
+        from splitserve_workers.config import ConfigError, ServingConfig
+
+        try:
+            ServingConfig.load(args.config)
+        except ConfigError as e:
+            raise _usage_error(str(e)) from None
     if _router_port(args):
         _check_port_free(args.host, _router_port(args))
     model = ensure_model(args.model, args.preset)
