@@ -84,3 +84,43 @@ def test_max_tokens_is_validated_next_to_max_completion_tokens() -> None:
     req = api.parse_chat({"messages": messages, "max_completion_tokens": 3, "max_tokens": 7})
     assert req.max_tokens == 3
     assert api.parse_chat({"messages": messages, "max_tokens": 7}).max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (rb'{"prompt": "hi \ud800 there"}', "prompt"),
+        (rb'{"prompt": "hi", "stop": ["a", "\udfff"]}', "stop[1]"),
+        (rb'{"messages": [{"role": "user", "content": "\uDC00"}]}', "messages[0].content"),
+        (b'{"prompt": "\xed\xa0\x80"}', "prompt"),  # the surrogate UTF-8-encoded, not escaped
+        (rb'{"\ud800": 1}', "\\ud800"),
+    ],
+)
+def test_lone_surrogate_is_a_400_naming_the_field(raw: bytes, param: str) -> None:
+    with pytest.raises(api.APIError) as err:
+        api.parse_json_body(raw)
+    assert err.value.status == 400 and err.value.param == param
+    json.dumps(err.value.body(), ensure_ascii=False).encode()  # the answer itself is valid UTF-8
+
+
+def test_surrogate_pairs_are_ordinary_text() -> None:
+    assert api.parse_json_body(rb'{"prompt": "\ud83d\ude00"}')["prompt"] == "\U0001f600"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"top_k": 2**31}, "top_k"), ({"stop_token_ids": [1, 2**31]}, "stop_token_ids")],
+)
+def test_integers_past_int32_are_a_400(extra: dict, param: str) -> None:
+    with pytest.raises(api.APIError) as err:
+        api.parse_completion({"prompt": "x", **extra})
+    assert err.value.status == 400 and err.value.param == param
+    assert api.parse_completion({"prompt": "x", "top_k": 2**31 - 1}).top_k == 2**31 - 1
+
+
+async def test_lone_surrogate_over_http_is_a_400(client: TestClient) -> None:
+    headers = {"content-type": "application/json"}
+    for raw in (rb'{"prompt": "a \ud800"}', rb'{"prompt": "a", "top_k": 99999999999999999999}'):
+        r = await client.post("/v1/completions", data=raw, headers=headers)
+        assert r.status == 400, await r.text()
+        assert (await r.json())["error"]["type"] == "invalid_request_error"

@@ -5,10 +5,12 @@ shapes for /v1/completions and /v1/chat/completions. Pure data; app.py does the 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+INT32_MAX = 2**31 - 1  # top_k and token ids travel to the workers as int32
 PRIORITY_HEADER = "x-splitserve-priority"
 PRIORITIES = ("interactive", "background")
 MAX_STOP_STRINGS = 4
@@ -230,9 +232,39 @@ def _check_neutral(body: dict[str, Any], allowed: set[str]) -> None:
             )
 
 
+# A \uD800-\uDFFF escape, or a UTF-8-encoded surrogate (json.loads decodes bytes with
+# surrogatepass): the only ways a parsed string can hold a lone surrogate.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) holding a lone UTF-16 surrogate, which no
+    tokenizer or protobuf accepts; None when every string is valid Unicode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            found = _surrogate_path(key, sub) or _surrogate_path(item, sub)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _surrogate_path(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
+        # Valid surrogate pairs (escaped emoji) also match: then each string is checked.
+        bad = _surrogate_path(body, "") if _MAYBE_SURROGATE.search(raw) else None
     # ValueError: malformed JSON, bad UTF-8, or an integer past Python's digit limit;
     # RecursionError: arrays/objects nested deeper than the parser's stack. All the client's.
     except (ValueError, RecursionError) as e:
@@ -240,6 +272,14 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(
             400, f"request body must be a JSON object, got {_type_name(body)}", code="invalid_json"
+        )
+    if bad is not None:
+        bad = bad.encode("utf-8", "backslashreplace").decode()  # a key may hold it too
+        raise APIError(
+            400,
+            f"'{bad}' holds a lone UTF-16 surrogate, which is not valid Unicode text",
+            param=bad,
+            code="invalid_value",
         )
     return body
 
@@ -249,13 +289,15 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     req.temperature = 1.0 if temperature is None else temperature
     top_p = _float(body, "top_p", 0.0, 1.0, lo_open=True)
     req.top_p = 1.0 if top_p is None else top_p
-    req.top_k = _int(body, "top_k", 0) or 0
+    req.top_k = _int(body, "top_k", 0, INT32_MAX) or 0
     req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     req.stop = _stop(body)
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
             raise _wrong_type("stop_token_ids", "an array of non-negative integers", ids)
+        if any(i > INT32_MAX for i in ids):
+            raise invalid("stop_token_ids", f"'stop_token_ids' must be <= {INT32_MAX}")
         req.stop_token_ids = list(ids)
     req.ignore_eos = bool(_bool(body, "ignore_eos"))
     req.stream = bool(_bool(body, "stream"))
