@@ -120,3 +120,12 @@ def test_up_bad_config_exits_2_before_starting(
         main(["up", "--model", str(tmp_path), "--config", str(config), "--port", "0"])
     assert exit_.value.code == 2
     one_line_error(capsys, "splitserve up: decode.port: 99999")
+
+
+def test_worker_max_model_len_past_the_model_names_the_setting(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["prefill", "--model", str(tiny_model), "--port", "0", "--metrics-port", "0"]
+    assert main([*args, "--max-model-len", "4096"]) == 1
+    line = one_line_error(capsys, "splitserve prefill: max_model_len: 4096 ")
+    assert "1024" in line

@@ -282,6 +282,10 @@ async def serve(settings: WorkerSettings, make_role: Any) -> int:
     except Exception as e:  # unreadable, truncated or inconsistent model files
         await runner.cleanup()
         log.debug("model load failed", exc_info=True)
+        if isinstance(e, ValueError) and str(e).startswith("EngineConfig."):
+            # A setting that only the model's config.json rules out (max_model_len past
+            # the model's own limit): name the setting, not the model.
+            raise StartupError(str(e).removeprefix("EngineConfig.")) from e
         reason = f"{type(e).__name__}: {e}"
         raise StartupError(f"model.path: cannot load {settings.model_dir}: {reason}") from e
     worker.attach_engine(engine)
