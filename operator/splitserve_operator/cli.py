@@ -15,7 +15,7 @@ import kopf
 
 from .config import OperatorConfig
 from .handlers import Operator, register
-from .kube import Kube, load_api_client
+from .kube import Kube, NoCredentialsError, load_api_client
 
 KOPF_PREFIX = "kopf.splitserve.io"
 
@@ -127,8 +127,13 @@ def run(args: argparse.Namespace) -> int:
         cluster_domain=args.cluster_domain,
         monitoring=args.monitoring,
     )
+    try:
+        api_client = load_api_client()
+    except NoCredentialsError as e:
+        print(f"splitserve operator: {e}", file=sys.stderr)
+        return 1
     registry = kopf.OperatorRegistry()
-    register(registry, Operator(Kube(load_api_client()), config))
+    register(registry, Operator(Kube(api_client), config))
     # Replicas of one Deployment share their flags; distinct random priorities make exactly one
     # of them act (kopf pauses every operator that sees a peer of equal priority).
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)

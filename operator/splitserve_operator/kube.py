@@ -54,12 +54,22 @@ class Ref:
         return f"{self.kind} {self.namespace}/{self.name}"
 
 
+class NoCredentialsError(Exception):
+    """Neither in-cluster credentials nor a usable kubeconfig: the command says so in one line."""
+
+
 def load_api_client() -> client.ApiClient:
     """In-cluster credentials when running in a pod, else KUBECONFIG / ~/.kube/config."""
     try:
         config.load_incluster_config()
     except ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except (ConfigException, OSError) as e:
+            raise NoCredentialsError(
+                f"no cluster credentials: not running in a pod, and no usable kubeconfig ({e}); "
+                "set KUBECONFIG or run inside the cluster"
+            ) from e
     return client.ApiClient()
 
 
