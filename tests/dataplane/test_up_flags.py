@@ -1,4 +1,5 @@
-"""`splitserve up` with bad input exits 2 naming the flag before it starts any process."""
+"""`splitserve up` with bad input exits 2 naming the flag before it starts any process; an unknown
+flag on any subcommand answers with that subcommand's usage."""
 
 from __future__ import annotations
 
@@ -33,3 +34,23 @@ def test_model_without_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixt
         main(["up", "--model", str(tmp_path)])
     assert exit_.value.code == 2
     assert "--model: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "required"),
+    [
+        ("up", []),
+        ("router", []),
+        ("decode", []),
+        ("make-model", ["--preset", "tiny-llama", "--out", "unused"]),
+    ],
+)
+def test_unknown_flag_shows_the_subcommands_usage(
+    command: str, required: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([command, *required, "--bogus"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: splitserve {command} "), err
+    assert err.rstrip().endswith("unrecognized arguments: --bogus"), err

@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[command][0])
     sub_parser = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
     module.add_arguments(sub_parser)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand's usage, not the top-level one
+        sub_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(module.run(args) or 0)
 
 
