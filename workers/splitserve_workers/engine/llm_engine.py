@@ -457,7 +457,7 @@ class LLMEngine:
                     f"prompt [0, {r.num_prompt_tokens})"
                 )
             slots = r.slots[token_start : token_start + n]
-            self.model_runner.write_kv_slots(layer, slots, k, v)
+            self.model_runner.write_kv(layer, slots, k, v)
             marks = b"\x01" * n
             for i in range(layer, layer + layers):
                 r.imported[i][token_start : token_start + n] = marks

@@ -58,24 +58,13 @@ class ModelRunner:
         idx = self.slots(block_table, start, n).to(self.device)
         return self._flat(layer, 0).index_select(0, idx), self._flat(layer, 1).index_select(0, idx)
 
-    def write_kv(
-        self, layer: int, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        idx = self.slots(block_table, start, k.shape[0]).to(self.device)
-        self.write_kv_slots(layer, idx, k, v)
-
-    def write_kv_slots(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v: [n, kv_heads, head_dim] into `layer`, or [layers, n, kv_heads, head_dim] into
         that many layers from `layer`, at flat cache slots `slots` ([n], on the device): one
         index_copy_ per side however many layers."""
-        kvH, D = self.cfg.num_kv_heads, self.cfg.head_dim
         if k.dim() == 3:
-            self._flat(layer, 0).index_copy_(0, slots, k.to(self.device))
-            self._flat(layer, 1).index_copy_(0, slots, v.to(self.device))
-            return
-        n = k.shape[0]
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
+        n, kvH, D = k.shape[0], self.cfg.num_kv_heads, self.cfg.head_dim
         for side, t in ((0, k), (1, v)):
             pool = self.kv_cache[layer : layer + n, side].view(n, -1, kvH, D)
             pool.index_copy_(1, slots, t.to(self.device))
