@@ -66,13 +66,11 @@ class BenchEngine:
 
     def import_kv(self, request_id: str, layer: int, start: int, k: Any, v: Any) -> None:
         # [n, heads, dim] for one layer or [layers, n, heads, dim] for a batch, as the engine.
-        n = k.shape[-3]
         if k.dim() == 3:
-            self._cache[layer, 0, start : start + n].copy_(k)
-            self._cache[layer, 1, start : start + n].copy_(v)
-        else:
-            self._cache[layer : layer + k.shape[0], 0, start : start + n].copy_(k)
-            self._cache[layer : layer + k.shape[0], 1, start : start + n].copy_(v)
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
+        layers, n = k.shape[0], k.shape[1]
+        self._cache[layer : layer + layers, 0, start : start + n].copy_(k)
+        self._cache[layer : layer + layers, 1, start : start + n].copy_(v)
 
     def release(self, request_id: str) -> None:
         return None
