@@ -648,8 +648,9 @@ class KVSender:
     `on_kv` is the engine callback (engine thread): it copies the slice into ready-to-send
     messages, split to at most `chunk_bytes` (or, for a slice of at most chunk_bytes /
     SMALL_FRACTION, into the open batch of the layers before it), and blocks while the queue
-    is full. The message carrying the last token-layer has `last` set. `start` opens the PushKV stream (gRPC's own
-    thread drains the queue); `future` resolves to a TransferResult or raises grpc.RpcError.
+    is full. The message carrying the last token-layer has `last` set. `start` opens the
+    PushKV stream (gRPC's own thread drains the queue); `future` resolves to a TransferResult
+    or raises grpc.RpcError.
     """
 
     def __init__(
