@@ -313,3 +313,48 @@ def test_request_no_decode_worker_can_hold_is_refused_at_once(
         base + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=120
     )
     assert ok.status_code == 200, ok.text
+    assert_cache_bound_on_max_tokens(base, prompt_tokens=3, cache_tokens=32)
+
+
+def assert_cache_bound_on_max_tokens(base: str, prompt_tokens: int, cache_tokens: int) -> None:
+    """A worker's whole cache holds the prompt and every generated token but the last: the
+    largest max_tokens that fits is answered in full, one more is a 400 naming max_tokens
+    (before, it was accepted and cut short with finish_reason "length")."""
+    most = cache_tokens - prompt_tokens + 1
+    prompt = list(range(5, 5 + prompt_tokens))
+    body = {"prompt": prompt, "max_tokens": most, "ignore_eos": True, "temperature": 0}
+    full = httpx.post(base + "/v1/completions", json=body, timeout=120)
+    assert full.status_code == 200, full.text
+    assert full.json()["usage"]["completion_tokens"] == most
+    too_many = httpx.post(
+        base + "/v1/completions", json={**body, "max_tokens": most + 1}, timeout=120
+    )
+    assert too_many.status_code == 400, too_many.text
+    error = too_many.json()["error"]
+    assert error["param"] == "max_tokens"
+    assert error["code"] == "request_too_large_for_workers"
+    assert f"max_tokens ({most + 1})" in error["message"]
+    # Chat without max_tokens runs to the context limit; on a smaller cache it is not refused
+    # but ends at the cache's end with finish_reason "length".
+    chat = httpx.post(
+        base + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True},
+        timeout=120,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_colocated_request_larger_than_the_cache_is_refused(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    colocated = launch_worker("colocated", worker_flags(tiny_model, "--num-kv-blocks", "2"))
+    router = launch_worker("router", router_args(tiny_model, "--colocated", colocated.endpoint))
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    assert_cache_bound_on_max_tokens(base, prompt_tokens=3, cache_tokens=32)
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": list(range(2, 102)), "max_tokens": 4}, timeout=120
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] is None

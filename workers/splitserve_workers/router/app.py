@@ -326,6 +326,7 @@ class Router:
                     sampling,
                     _PRIORITY[req.priority],
                     [] if req.ignore_eos else self.eos_token_ids,
+                    max_tokens_explicit=req.max_tokens is not None,
                 ),
                 self.options.flow,
                 prefill=self.pools.get("prefill"),
@@ -340,7 +341,7 @@ class Router:
                 run.record()
         except FlowError as e:
             status = "rejected" if e.status < 500 or e.code == "no_capacity" else "error"
-            raise api.APIError(e.status, e.message, code=e.code) from e
+            raise api.APIError(e.status, e.message, param=e.param, code=e.code) from e
         except asyncio.CancelledError:
             status = "abort"
             raise

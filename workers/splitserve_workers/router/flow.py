@@ -26,11 +26,14 @@ log = logging.getLogger("splitserve.router")
 class FlowError(Exception):
     """The request cannot be served; `status` is the HTTP status the edge answers with."""
 
-    def __init__(self, status: int, message: str, code: str = "upstream_error") -> None:
+    def __init__(
+        self, status: int, message: str, code: str = "upstream_error", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.param = param  # the request field to change, when one is to blame
 
 
 @dataclass
@@ -71,10 +74,41 @@ class FlowRequest:
     sampling: serving_pb2.SamplingParams
     priority: serving_pb2.Priority
     eos_token_ids: list[int] = field(default_factory=list)
+    # False when the client left max_tokens out and it runs to the context limit: a worker
+    # whose cache is smaller than that limit then ends it with finish_reason "length".
+    max_tokens_explicit: bool = True
 
     @property
     def max_tokens(self) -> int:
         return self.sampling.max_tokens
+
+    def kv_tokens_needed(self) -> int:
+        """KV slots the request occupies on one worker at its longest: the prompt plus every
+        generated token but the last (whose KV is never computed); at least prompt + 1, which
+        admission needs anyway. Only an explicit max_tokens counts."""
+        generated = max(self.max_tokens - 1, 1) if self.max_tokens_explicit else 1
+        return len(self.prompt_token_ids) + generated
+
+    def too_big_for(self, worker: Worker) -> tuple[str, str | None] | None:
+        """(why, request field to lower) when `worker`'s whole KV cache can never hold this
+        request, from its last Load report; None when it can (or no report has arrived)."""
+        block = worker.model.block_size or 0
+        total = worker.load.total_blocks
+        if not block or not total:
+            return None
+        need = math.ceil(self.kv_tokens_needed() / block)
+        if need <= total:
+            return None
+        prompt = len(self.prompt_token_ids)
+        blame_max_tokens = self.max_tokens_explicit and math.ceil((prompt + 1) / block) <= total
+        what = f"the prompt ({prompt} tokens)"
+        if blame_max_tokens:
+            what += f" plus max_tokens ({self.max_tokens})"
+        why = (
+            f"{what} needs {need} KV blocks of {block} tokens; {worker.load.endpoint} has "
+            f"{total} in all"
+        )
+        return why, "max_tokens" if blame_max_tokens else None
 
 
 _background: set[asyncio.Task[Any]] = set()
@@ -160,25 +194,17 @@ class Flow:
         assert self.decode is not None
         start = time.monotonic()
         deadline = start + self.settings.admission_timeout_seconds
-        need = len(self.req.prompt_token_ids) + 1
         last_reason = "no decode workers"
         while True:
             tried: set[str] = set()
             # Refusals that waiting cannot fix: a model mismatch, or a request this worker can
             # never hold (too long for its cache or its context limit).
             incompatible = too_big = 0
+            too_big_param: str | None = None
             while (worker := self.decode.pick(tried)) is not None:
                 tried.add(worker.load.endpoint)
-                block = worker.model.block_size or 0
-                if (
-                    block
-                    and worker.load.total_blocks
-                    and math.ceil(need / block) > worker.load.total_blocks
-                ):
-                    last_reason = (
-                        f"prompt needs {math.ceil(need / block)} KV blocks, "
-                        f"decode worker has {worker.load.total_blocks}"
-                    )
+                if (why := self.req.too_big_for(worker)) is not None:
+                    last_reason, too_big_param = why
                     too_big += 1
                     continue
                 try:
@@ -221,6 +247,7 @@ class Flow:
                     400,
                     f"no decode worker can hold this request ({last_reason})",
                     code="request_too_large_for_workers",
+                    param=too_big_param,
                 )
             if tried and incompatible == len(tried):
                 raise FlowError(
@@ -372,6 +399,8 @@ class Flow:
         assert self.colocated is not None
         req = self.req
         failed: set[str] = set()
+        # endpoint -> (why its whole cache cannot hold this request, field to lower)
+        too_small: dict[str, tuple[str, str | None]] = {}
         worker: Worker | None = None
         call: Any = None
         done = False
@@ -380,11 +409,22 @@ class Flow:
             while True:
                 if len(failed) >= self.settings.max_prefill_attempts:
                     raise FlowError(502, f"failed on {len(failed)} worker(s): {last_error}")
-                worker = self.colocated.pick(failed)
+                worker = self.colocated.pick(failed | too_small.keys())
                 if worker is None:
                     if failed:
                         raise FlowError(502, f"every colocated worker failed: {last_error}")
+                    if too_small:
+                        why, param = next(iter(too_small.values()))
+                        raise FlowError(
+                            400,
+                            f"no colocated worker can hold this request ({why})",
+                            code="request_too_large_for_workers",
+                            param=param,
+                        )
                     raise FlowError(503, "no colocated worker is available", code="no_capacity")
+                if (why := req.too_big_for(worker)) is not None:
+                    too_small[worker.load.endpoint] = why
+                    continue
                 worker.load.pending_tokens += len(req.prompt_token_ids)
                 worker.load.pending_requests += 1
                 self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint
