@@ -209,7 +209,9 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
     if volume is not None:
         if not isinstance(volume, dict) or len(volume) != 1:
             raise SpecError("spec.model.volume: must name exactly one volume source")
-        if not str(model["path"]).startswith(mount_path):
+        path = str(model["path"])
+        # A directory prefix, not a string prefix: /models-old/x is not under /models.
+        if path != mount_path and not path.startswith(str(mount_path).rstrip("/") + "/"):
             raise SpecError(
                 f"spec.model.path: {model['path']!r} must lie under spec.model.mountPath "
                 f"{mount_path!r}"

@@ -307,12 +307,29 @@ INVALID: list[tuple[str, Any, str]] = [
         },
         "spec.model.volume",
     ),
+    (
+        "model path beside the mount",
+        {
+            "model": {
+                "name": "m",
+                "path": "/models-old/m",
+                "mountPath": "/models",
+                "volume": {"emptyDir": {}},
+            }
+        },
+        "spec.model.path must lie under spec.model.mountPath",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("case", "patch", "field"), INVALID, ids=[c[0] for c in INVALID])
 def test_invalid_llmservices_are_rejected_naming_the_field(
-    control_plane: Any, namespace: str, case: str, patch: dict[str, Any], field: str
+    control_plane: Any,
+    cluster_release: Any,  # installs the CRD, so the test does not depend on test order
+    namespace: str,
+    case: str,
+    patch: dict[str, Any],
+    field: str,
 ) -> None:
     obj = yaml.safe_load(TINY)
     obj["metadata"]["name"] = "bad"
@@ -332,7 +349,25 @@ def test_invalid_llmservices_are_rejected_naming_the_field(
     assert llms(control_plane, namespace, "bad") is None
 
 
-def test_crd_defaults_and_printer_columns(control_plane: Any, namespace: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "mount_path"),
+    [("/models", "/models"), ("/models/m", "/models/"), ("/m", "/")],
+)
+def test_model_path_at_or_under_the_mount_is_accepted(
+    control_plane: Any, cluster_release: Any, namespace: str, path: str, mount_path: str
+) -> None:
+    obj = yaml.safe_load(TINY)
+    obj["spec"]["model"].update(path=path, mountPath=mount_path)
+    proc = control_plane.kubectl(
+        "create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj),
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_crd_defaults_and_printer_columns(
+    control_plane: Any, cluster_release: Any, namespace: str
+) -> None:
     minimal = {
         "apiVersion": "splitserve.io/v1alpha1",
         "kind": "LLMService",

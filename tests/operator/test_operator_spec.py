@@ -110,3 +110,24 @@ def test_volume_needs_one_source_and_path_under_mount() -> None:
     spec["model"]["mountPath"] = "/weights"
     with pytest.raises(SpecError, match="^spec.model.path: .* must lie under"):
         parse_spec(spec)
+
+
+@pytest.mark.parametrize(
+    ("path", "mount_path", "ok"),
+    [
+        ("/models/m", "/models", True),
+        ("/models", "/models", True),  # the volume is the model directory itself
+        ("/models/m", "/models/", True),
+        ("/m", "/", True),
+        ("/models-old/m", "/models", False),  # a string prefix, not a directory prefix
+        ("/modelsm", "/models", False),
+    ],
+)
+def test_path_under_mount_is_a_directory_prefix(path: str, mount_path: str, ok: bool) -> None:
+    spec = with_("model.volume", {"emptyDir": {}})
+    spec["model"].update(path=path, mountPath=mount_path)
+    if ok:
+        assert parse_spec(spec).model_path == path
+    else:
+        with pytest.raises(SpecError, match="^spec.model.path: .* must lie under"):
+            parse_spec(spec)
