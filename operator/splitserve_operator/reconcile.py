@@ -40,6 +40,23 @@ def without_replicas(obj: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def changed(live: dict[str, Any], result: dict[str, Any]) -> bool:
+    """Did an apply change `live`? Not by resourceVersion: a controller's status write between
+    our GET and our apply (a Deployment mid-rollout, a PDB counting pods) bumps it too, and
+    would be reported as drift. Compare what a writer of the object's desired state can
+    change: everything but status and the server's bookkeeping."""
+
+    def content(obj: dict[str, Any]) -> dict[str, Any]:
+        meta = {
+            k: v
+            for k, v in obj.get("metadata", {}).items()
+            if k not in ("resourceVersion", "managedFields")
+        }
+        return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
+
+    return content(live) != content(result)
+
+
 def apply_deployment(kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcome) -> None:
     ref = Ref.of(obj)
     desired = int(obj["spec"]["replicas"])
@@ -52,11 +69,10 @@ def apply_deployment(kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcom
         result = kube.apply(without_replicas(obj), FIELD_MANAGER)
         outcome.created.append(str(ref))
     else:
-        before = live["metadata"]["resourceVersion"]
         result = kube.apply(without_replicas(obj), FIELD_MANAGER)
         if mode == "Off" and int(result["spec"].get("replicas", -1)) != desired:
             result = kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
-        if result["metadata"]["resourceVersion"] != before:
+        if changed(live, result):
             outcome.updated.append(str(ref))
     component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
     outcome.deployments[component] = result
@@ -73,6 +89,6 @@ def apply_children(kube: Kube, objects: list[dict[str, Any]], mode: str) -> Outc
         result = kube.apply(obj, FIELD_MANAGER)
         if live is None:
             outcome.created.append(str(ref))
-        elif result["metadata"]["resourceVersion"] != live["metadata"]["resourceVersion"]:
+        elif changed(live, result):
             outcome.updated.append(str(ref))
     return outcome

@@ -97,3 +97,27 @@ def test_off_mode_enforces_spec_replicas_through_the_replicas_manager() -> None:
     kube.calls.clear()
     apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
     assert decode_calls(kube) == [(FIELD_MANAGER, None)]  # nothing to correct: one call
+
+
+class BusyControllerKube(RecordingKube):
+    """A controller writes status (and so a new resourceVersion) right after every GET, before
+    the operator's apply lands: what a Deployment mid-rollout or a PDB counting pods does."""
+
+    def get(self, ref: Ref) -> dict[str, Any] | None:
+        live = super().get(ref)
+        if ref in self.objects:
+            self.version += 1
+            self.objects[ref]["metadata"]["resourceVersion"] = str(self.version)
+            self.objects[ref]["status"] = {"observedGeneration": self.version}
+        return live
+
+
+def test_status_writes_by_controllers_are_not_reported_as_changes() -> None:
+    kube = BusyControllerKube()
+    apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
+    outcome = apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
+    assert outcome.created == [] and outcome.updated == []
+    # A hand edit is still a change, under the same status churn.
+    kube.objects[DECODE]["spec"]["template"]["spec"]["containers"][0]["image"] = "hand:edit"
+    outcome = apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
+    assert outcome.updated == [str(DECODE)]
