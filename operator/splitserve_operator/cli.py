@@ -15,7 +15,7 @@ import kopf
 
 from .config import OperatorConfig
 from .handlers import Operator, register
-from .kube import Kube, NoCredentialsError, load_api_client
+from .kube import Kube, KubeError, NoCredentialsError, load_api_client
 
 KOPF_PREFIX = "kopf.splitserve.io"
 
@@ -98,6 +98,31 @@ def check_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+def missing_peerings(kube: Kube, args: argparse.Namespace) -> list[str]:
+    """The peering objects this operator needs that do not exist. kopf waits for them without a
+    word (it logs the 404 at DEBUG), so an operator started by hand without one handles nothing
+    and says nothing. Glob namespaces are not checked; a refused GET is left to kopf to report."""
+    if args.standalone:
+        return []
+    name = args.peering
+    if args.all_namespaces:
+        wanted = [(f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}", f"ClusterKopfPeering {name}")]
+    else:
+        wanted = [
+            (f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings/{name}", f"KopfPeering {ns}/{name}")
+            for ns in args.namespaces
+            if not any(c in ns for c in "*?[")
+        ]
+    missing = []
+    for path, what in wanted:
+        try:
+            if kube.request("GET", path) is None:
+                missing.append(what)
+        except KubeError:
+            continue
+    return missing
+
+
 def settings_for(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # Keep kopf's bookkeeping in annotations of our own prefix, out of the typed status.
@@ -132,8 +157,14 @@ def run(args: argparse.Namespace) -> int:
     except NoCredentialsError as e:
         print(f"splitserve operator: {e}", file=sys.stderr)
         return 1
+    kube = Kube(api_client)
+    for peering in missing_peerings(kube, args):
+        logging.getLogger("splitserve.operator").warning(
+            f"peering: {peering} not found: the operator stays paused, handling nothing, until "
+            "it exists; create it (the Helm chart does, peering.enabled) or run with --standalone"
+        )
     registry = kopf.OperatorRegistry()
-    register(registry, Operator(Kube(api_client), config))
+    register(registry, Operator(kube, config))
     # Replicas of one Deployment share their flags; distinct random priorities make exactly one
     # of them act (kopf pauses every operator that sees a peer of equal priority).
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)

@@ -73,3 +73,25 @@ def test_namespaced_roles_suffice_and_peers_do_not_both_act(
                    check=False)  # fmt: skip
         standby.stop()
         leader.stop()
+
+
+def test_a_missing_peering_object_is_named_at_startup(
+    control_plane: Any, release_namespace: tuple[str, str]
+) -> None:
+    # kopf itself waits for the object silently: without this line, an operator started by
+    # hand against a namespace without the chart handles nothing and logs nothing.
+    cp = control_plane
+    namespace, sa = release_namespace
+    log = Path(cp.workdir) / "logs" / f"operator-{namespace}-absent.log"
+    kubeconfig = cp.kubeconfig_for_service_account(namespace, sa)
+    args = [f"--namespace={namespace}", "--peering=absent"]
+    absent = OperatorProcess(kubeconfig, args, log).start()
+    try:
+        assert f"peering: KopfPeering {namespace}/absent not found" in absent.tail(400)
+    finally:
+        absent.stop()
+    present = operator(cp, namespace, sa, priority=300)
+    try:
+        assert "not found" not in present.tail(400)
+    finally:
+        present.stop()
