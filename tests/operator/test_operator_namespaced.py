@@ -95,3 +95,24 @@ def test_a_missing_peering_object_is_named_at_startup(
         assert "not found" not in present.tail(400)
     finally:
         present.stop()
+
+
+def test_install_notes_name_the_watched_namespaces(
+    control_plane: Any,
+    release_namespace: tuple[str, str],  # its install brings the CRDs a dry run maps kinds to
+) -> None:
+    # An LLMService outside the watched namespaces gets no status and no Events at all, so the
+    # notes say where to apply one and how to watch more, instead of `-n <namespace>`.
+    def notes(*sets: str) -> str:
+        args = [a for s in sets for a in ("--set", s)]
+        out = control_plane.helm("install", "notes", str(REPO_ROOT / "charts" / "splitserve"),
+                                 "-n", "ops", "--dry-run=client", *args).stdout  # fmt: skip
+        return str(out).split("NOTES:", 1)[1]
+
+    default = notes()
+    assert "only in: ops." in default
+    assert "kubectl apply -n ops -f manifests/examples/tiny-cpu.yaml" in default
+    assert "--set 'watch.namespaces={ops,other}'" in default
+    listed = notes("watch.namespaces={team-x,team-y}")
+    assert "only in: team-x, team-y." in listed and "kubectl apply -n team-x " in listed
+    assert "kubectl apply -n <namespace> " in notes("watch.allNamespaces=true")
