@@ -79,6 +79,34 @@ def reference(
     return t[1] - t[0], [b - a for a, b in zip(t[1:], t[2:], strict=False)]
 
 
+def gemm_floor(engine: LLMEngine, batch: int, reps: int = 10) -> list[float]:
+    """Seconds of only the matrix multiplies of one decode step at `batch` rows, `reps` times, run
+    through the engine's own weights (q|k|v, o, gate|up, down per layer, then the output
+    projection). Both engines run these same fp32 GEMMs, so transformers' step time divided by
+    this is the most any engine could beat it by at this batch size without changing the math."""
+    model = engine.model
+    x = torch.randn(batch, model.config.hidden_size)
+    calls: list[tuple[torch.nn.Module, torch.Tensor]] = []  # (linear, an input of its width)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        calls += [(attn.qkv_proj, x), (attn.o_proj, torch.randn(batch, attn.q_size))]
+        calls += [(mlp.gate_up_proj, x), (mlp.down_proj, torch.randn(batch, mlp.intermediate_size))]
+
+    def step() -> None:
+        for linear, inp in calls:
+            linear(inp)
+        model.compute_logits(x)
+
+    times = []
+    with torch.inference_mode():
+        step()
+        for _ in range(reps):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    return times
+
+
 def serving_workload(
     n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int
 ) -> tuple[list[list[int]], list[int]]:
@@ -195,13 +223,16 @@ def main() -> int:
     for b in batches:
         prefill = {"ours": 1e9, "transformers": 1e9}
         steps: dict[str, list[float]] = {"ours": [], "transformers": []}
+        gemms: list[float] = []
         for rep in range(args.reps):
             prompts = prompts_for(b, args.prompt_len, vocab, salt=1000 * b + rep)
             for name, fn in (("ours", ours), ("transformers", reference)):
                 p, s = fn(engine if name == "ours" else hf, prompts, args.new_tokens)
                 prefill[name] = min(prefill[name], p)
                 steps[name] += s
+            gemms += gemm_floor(engine, b)  # between the runs, so load bursts hit it alike
         step = {name: statistics.median(v) for name, v in steps.items()}
+        floor = statistics.median(gemms)
         n_prefill = b * args.prompt_len
         rows.append({
             "phase": "prefill", "batch": b,
@@ -214,6 +245,10 @@ def main() -> int:
             "ours_tokens_per_s": round(b / step["ours"], 2),
             "transformers_tokens_per_s": round(b / step["transformers"], 2),
             "ratio": round(step["transformers"] / step["ours"], 3),
+            # The step's fp32 GEMMs alone, and transformers' step over them: the ceiling on
+            # "ratio" for any engine doing the same math on this CPU.
+            "gemm_floor_step_s": round(floor, 5),
+            "ratio_ceiling": round(step["transformers"] / floor, 3),
         })  # fmt: skip
         print(f"batch {b}: done", flush=True)
 
@@ -251,10 +286,14 @@ def main() -> int:
     cache = engine.model_runner.kv_cache
     measured = cache.numel() * cache.element_size() // (engine.num_kv_blocks * engine.block_size)
     formula = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * cache.element_size()
-    print(f"{'phase':8} {'batch':>5} {'ours tok/s':>12} {'transformers':>13} {'ratio':>7}")
+    print(f"{'phase':8} {'batch':>5} {'ours tok/s':>12} {'transformers':>13} {'ratio':>7}"
+          f" {'ceiling':>8}")  # fmt: skip
     for r in rows:
+        ceiling = f"{r['ratio_ceiling']:>7.2f}x" if "ratio_ceiling" in r else ""
         print(f"{r['phase']:8} {r['batch']:>5} {r['ours_tokens_per_s']:>12.1f} "
-              f"{r['transformers_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}x")  # fmt: skip
+              f"{r['transformers_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}x {ceiling}")  # fmt: skip
+    print("ceiling: transformers' decode step / the same step's fp32 GEMMs alone (the most any "
+          "engine doing this math could reach)")  # fmt: skip
     if serving_rows:
         print("extra: serving workloads, whole run, useful generated tokens/s "
               "(only the tokens each request asked for; prefill time included)")  # fmt: skip
