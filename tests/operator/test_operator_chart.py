@@ -168,6 +168,8 @@ def test_optional_dashboard_and_scrape_config(helm: Path) -> None:
         ("replicaCount=-1", "replicaCount"),
         ("monitoring=always", "monitoring"),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("peering.enabled=false,replicaCount=2", "/replicaCount': maximum"),
+        ("watch.allNamespaces=true,watch.namespaces={team-a}", "/watch/namespaces': maxItems"),
     ],
 )
 def test_values_schema_rejects_bad_values(helm: Path, value: str, complaint: str) -> None:
