@@ -116,8 +116,14 @@ def compute_status(
         ready = (
             False,
             "RollingOut",
+            # Both counts: during a rollout the old pods can all be ready ("1/1") while none
+            # runs the new template yet, which a ready count alone makes look finished.
             "pools not ready: "
-            + ", ".join(f"{p} {states[p].ready}/{states[p].desired}" for p in rolling),
+            + ", ".join(
+                f"{p} {states[p].ready}/{states[p].desired} ready, "
+                f"{states[p].updated}/{states[p].desired} updated"
+                for p in rolling
+            ),
         )
     elif empty:
         ready = (False, "NoReplicas", f"no ready replicas in: {', '.join(empty)}")

@@ -108,7 +108,11 @@ def test_not_ready_while_rolling_or_missing_or_pending() -> None:
     rolling = {**ALL_READY, "decode": deployment(3, 1)}
     c = conds(status(rolling))
     assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == "RollingOut"
-    assert "decode 1/3" in c["Ready"]["message"]
+    assert "decode 1/3 ready, 3/3 updated" in c["Ready"]["message"]
+    # Old pods all ready, none on the new template yet: the message must not read as done.
+    replacing = {**ALL_READY, "decode": deployment(3, 3, updated=0)}
+    c = conds(status(replacing))
+    assert c["Ready"]["message"] == "pools not ready: decode 3/3 ready, 0/3 updated"
     assert c["Progressing"]["status"] == "True"
     c = conds(status({"router": ALL_READY["router"]}))
     assert c["Ready"]["reason"] == "ChildrenMissing"
