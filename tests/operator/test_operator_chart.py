@@ -204,3 +204,23 @@ def test_manifests_match_the_chart_and_build_with_kustomize(helm: Path) -> None:
     source = yaml.safe_load((REPO_ROOT / "operator" / "splitserve_operator" / "crd" /
                              "llmservices.splitserve.io.yaml").read_text())  # fmt: skip
     assert crd["spec"] == source["spec"]  # anchors expanded identically
+
+
+def test_names_that_yaml_reads_as_booleans_stay_strings(helm: Path) -> None:
+    # Release, namespace and peering names are DNS labels, and `on`, `yes`, `no` and `off` are
+    # valid ones; unquoted they render as YAML booleans and the API server refuses the object.
+    out = run_helm(helm, "template", "on", str(CHART), "-n", "yes",
+                   "--set", "watch.namespaces={no,off}", "--set", "peering.name=on",
+                   "--set", "serviceAccount.name=yes", "--set", "grafanaDashboard.enabled=true",
+                   "--set", "prometheusScrapeConfig.enabled=true").stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    for doc in docs:
+        meta = doc["metadata"]
+        assert isinstance(meta["name"], str), meta
+        assert isinstance(meta.get("namespace", ""), str), meta
+        assert all(isinstance(v, str) for v in meta.get("labels", {}).values()), meta
+        for subject in doc.get("subjects", []):
+            assert isinstance(subject["name"], str) and isinstance(subject["namespace"], str)
+    (dep,) = by_kind(docs, "Deployment")
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "yes"
+    assert {d["metadata"]["namespace"] for d in by_kind(docs, "KopfPeering")} == {"no", "off"}
