@@ -18,14 +18,16 @@ from . import GROUP, PLURAL, VERSION
 from .children import desired_children
 from .config import OperatorConfig
 from .kube import Kube, KubeError, Ref
-from .names import MANAGED_BY, child_name
+from .names import MANAGED_BY, child_name, selector_labels
 from .reconcile import apply_children
 from .spec import POOLS, Spec, SpecError, parse_spec
-from .status import compute_status, invalid_status
+from .status import compute_status, invalid_status, pod_trouble
 
 MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
 MONITORING_PLURALS = ("servicemonitors", "podmonitors")
 MONITORING_TTL_SECONDS = 60.0
+
+log = logging.getLogger("splitserve.operator")
 
 
 def now_rfc3339() -> str:
@@ -83,6 +85,33 @@ class Operator:
             )
         self.write_status(namespace, name, applied_generation=generation)
 
+    def pool_trouble(
+        self, namespace: str, service: str, deployments: dict[str, dict[str, Any] | None]
+    ) -> dict[str, str]:
+        """Per pool whose Deployment has fewer ready replicas than it asks for, why its pods are
+        not running (unschedulable, image pull, crash loop), read from the pods themselves, so
+        the Ready message says it long before the Deployment's progress deadline does. Pools
+        that are ready cost no API call."""
+        trouble: dict[str, str] = {}
+        for pool, dep in deployments.items():
+            if dep is None:
+                continue
+            want = int((dep.get("spec") or {}).get("replicas") or 0)
+            if int((dep.get("status") or {}).get("readyReplicas") or 0) >= want:
+                continue
+            try:
+                pods = self.kube.list_objects(
+                    "v1", "pods", namespace, selector_labels(service, pool)
+                )
+            except KubeError as e:
+                # An older install's RBAC without `list pods`: status simply says less.
+                log.debug("cannot list %s pods of %s/%s: %s", pool, namespace, service, e)
+                continue
+            why = pod_trouble(pods)
+            if why:
+                trouble[pool] = why
+        return trouble
+
     def write_status(
         self,
         namespace: str,
@@ -130,6 +159,7 @@ class Operator:
                     previous_conditions=previous,
                     now=now_rfc3339(),
                     error=error,
+                    trouble=self.pool_trouble(namespace, service, deployments),
                 )
             if all(status.get(k) == v for k, v in fresh.items()):
                 return

@@ -114,6 +114,18 @@ class Kube:
     def get(self, ref: Ref) -> dict[str, Any] | None:
         return self.request("GET", ref.path())  # type: ignore[no-any-return]
 
+    def list_objects(
+        self, api_version: str, plural: str, namespace: str, selector: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        """The namespaced objects matching every label in `selector`."""
+        prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        labels = ",".join(f"{k}={v}" for k, v in selector.items())
+        doc = self.request(
+            "GET", f"{prefix}/namespaces/{namespace}/{plural}", query=[("labelSelector", labels)]
+        )
+        items: list[dict[str, Any]] = (doc or {}).get("items") or []
+        return items
+
     def apply(self, obj: dict[str, Any], manager: str, force: bool = True) -> dict[str, Any]:
         """Server-side apply: the API server merges `obj` into the live object, owning (for
         `manager`) exactly the fields sent; force takes over fields others changed by hand."""

@@ -46,6 +46,58 @@ def pool_state(deployment: dict[str, Any] | None, spec_replicas: int, mode: str)
     )
 
 
+# Container waiting reasons that waiting a few seconds does not fix: worth telling the user.
+STUCK_WAITING_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "RunContainerError",
+    }
+)
+TROUBLE_MESSAGE_CHARS = 240  # per distinct cause; status stays small
+
+
+def pod_trouble(pods: list[dict[str, Any]]) -> str | None:
+    """Why a pool's pods are not running, from the pods' own status, one clause per distinct
+    cause with its pod count ("2 pods unschedulable: 0/3 nodes are available: 3 Insufficient
+    nvidia.com/gpu."); None when no pod reports a cause (e.g. it is just starting)."""
+    causes: dict[str, int] = {}
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue  # an old pod on its way out
+        pstatus = pod.get("status") or {}
+        found: str | None = None
+        for cond in pstatus.get("conditions") or []:
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"
+            ):
+                found = f"unschedulable: {cond.get('message') or 'no reason given'}"
+        statuses = (pstatus.get("initContainerStatuses") or []) + (
+            pstatus.get("containerStatuses") or []
+        )
+        for cs in statuses:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_WAITING_REASONS:
+                detail = waiting.get("message") or ""
+                found = f"{waiting['reason']} ({cs.get('name')})" + (
+                    f": {detail}" if detail else ""
+                )
+        if pstatus.get("phase") == "Failed":
+            found = f"failed: {pstatus.get('reason') or ''} {pstatus.get('message') or ''}".strip()
+        if found:
+            found = " ".join(found.split())[:TROUBLE_MESSAGE_CHARS]
+            causes[found] = causes.get(found, 0) + 1
+    if not causes:
+        return None
+    return "; ".join(f"{n} pod{'s' if n > 1 else ''} {why}" for why, n in causes.items())
+
+
 def pool_settled(state: PoolState) -> bool:
     """Rollout done: every replica runs the latest template and is ready; no old ones remain."""
     return (
@@ -94,8 +146,15 @@ def compute_status(
     previous_conditions: list[dict[str, Any]] | None,
     now: str,
     error: str | None = None,
+    trouble: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The whole `status` (except kopf's bookkeeping) for one LLMService."""
+    """The whole `status` (except kopf's bookkeeping) for one LLMService. trouble: per pool,
+    why its pods are not running (pod_trouble), quoted in the Ready message."""
+    trouble = trouble or {}
+
+    def why(pool: str) -> str:
+        return f" ({trouble[pool]})" if pool in trouble else ""
+
     states = {
         pool: pool_state(deployments.get(pool), spec.pool(pool).replicas, spec.autoscaling_mode)
         for pool in POOLS
@@ -121,7 +180,7 @@ def compute_status(
             "pools not ready: "
             + ", ".join(
                 f"{p} {states[p].ready}/{states[p].desired} ready, "
-                f"{states[p].updated}/{states[p].desired} updated"
+                f"{states[p].updated}/{states[p].desired} updated{why(p)}"
                 for p in rolling
             ),
         )

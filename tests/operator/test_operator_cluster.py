@@ -214,6 +214,33 @@ def test_drift_is_repaired(control_plane: Any, operator: OperatorProcess, namesp
     wait_ready(cp, namespace, "tiny")
 
 
+def test_ready_message_says_why_a_pool_cannot_schedule(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    # kwok nodes have 4 GPUs each: a decode pod asking for 8 stays Pending, and the status says
+    # why (the scheduler's own words, read by the chart RBAC's `list pods`) long before the
+    # Deployment's 10-minute progress deadline would.
+    cp = control_plane
+    obj = tiny()
+    obj["spec"]["decode"]["resources"] = {"limits": {"nvidia.com/gpu": 8}}
+    apply(cp, namespace, obj)
+
+    def unschedulable_message() -> str | None:
+        current = llms(cp, namespace, "tiny")
+        if not current or "status" not in current:
+            return None
+        ready = conditions(current).get("Ready") or {}
+        message = str(ready.get("message", ""))
+        return message if "Insufficient nvidia.com/gpu" in message else None
+
+    message = wait_until(unschedulable_message, "Ready message naming the GPU shortage", 120)
+    assert "decode 0/1 ready" in message and "1 pod unschedulable:" in message
+    assert "prefill" not in message and "router" not in message  # those pools are fine
+    obj["spec"]["decode"]["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    apply(cp, namespace, obj)
+    assert "Insufficient" not in conditions(wait_ready(cp, namespace, "tiny"))["Ready"]["message"]
+
+
 def test_hpa_mode_leaves_replicas_to_the_autoscaler(
     control_plane: Any, operator: OperatorProcess, namespace: str
 ) -> None:

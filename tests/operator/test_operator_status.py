@@ -1,11 +1,12 @@
-"""status.compute_status: conditions in metav1.Condition shape from live Deployments."""
+"""status.compute_status: conditions in metav1.Condition shape from live Deployments, and
+status.pod_trouble: why a pool's pods are not running, from pod objects as the API returns them."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from splitserve_operator.spec import parse_spec
-from splitserve_operator.status import compute_status, merge_conditions
+from splitserve_operator.status import compute_status, merge_conditions, pod_trouble
 
 SPEC = parse_spec(
     {
@@ -56,6 +57,7 @@ def status(
     now: str = "2025-01-01T00:00:00Z",
     spec: Any = SPEC,
     error: str | None = None,
+    trouble: dict[str, str] | None = None,
 ) -> dict:
     return compute_status(
         service="chat",
@@ -67,6 +69,7 @@ def status(
         previous_conditions=previous,
         now=now,
         error=error,
+        trouble=trouble,
     )
 
 
@@ -161,3 +164,68 @@ def test_autoscaled_pools_report_the_deployments_replicas() -> None:
     st = status(deps, spec=spec)
     assert st["decode"]["desiredReplicas"] == 6
     assert conds(st)["Ready"]["status"] == "True"
+
+
+UNSCHEDULABLE = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+
+
+def pod(
+    *,
+    unschedulable: str | None = None,
+    waiting: tuple[str, str] | None = None,
+    deleting: bool = False,
+    phase: str = "Pending",
+) -> dict[str, Any]:
+    """A pod shaped like the API's: PodScheduled=False/Unschedulable as the scheduler writes it,
+    a container waiting as the kubelet reports it."""
+    status: dict[str, Any] = {"phase": phase, "conditions": []}
+    if unschedulable:
+        status["conditions"].append(
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": unschedulable,
+            }
+        )
+    if waiting:
+        reason, message = waiting
+        status["containerStatuses"] = [
+            {"name": "worker", "state": {"waiting": {"reason": reason, "message": message}}}
+        ]
+    meta: dict[str, Any] = {"name": "p"}
+    if deleting:
+        meta["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    return {"metadata": meta, "status": status}
+
+
+def test_pod_trouble_groups_causes_with_counts() -> None:
+    assert pod_trouble([]) is None
+    assert pod_trouble([pod(), pod(waiting=("ContainerCreating", ""))]) is None  # just starting
+    pull = ("ImagePullBackOff", 'Back-off pulling image "ghcr.io/x/worker:nope"')
+    got = pod_trouble(
+        [pod(unschedulable=UNSCHEDULABLE), pod(unschedulable=UNSCHEDULABLE), pod(waiting=pull)]
+    )
+    assert got == (
+        f"2 pods unschedulable: {UNSCHEDULABLE}; "
+        '1 pod ImagePullBackOff (worker): Back-off pulling image "ghcr.io/x/worker:nope"'
+    )
+    # Pods being deleted (an old ReplicaSet's) are not the pool's problem.
+    assert pod_trouble([pod(unschedulable=UNSCHEDULABLE, deleting=True)]) is None
+    crash = pod(waiting=("CrashLoopBackOff", "back-off 5m0s restarting failed container"))
+    assert pod_trouble([crash]) == (
+        "1 pod CrashLoopBackOff (worker): back-off 5m0s restarting failed container"
+    )
+    long = pod_trouble([pod(unschedulable="x" * 5000)])
+    assert long is not None and len(long) < 300
+
+
+def test_ready_message_says_why_pods_are_not_running() -> None:
+    why = f"2 pods unschedulable: {UNSCHEDULABLE}"
+    rolling = {**ALL_READY, "decode": deployment(3, 1)}
+    c = conds(status(rolling, trouble={"decode": why}))
+    assert c["Ready"]["reason"] == "RollingOut"
+    assert c["Ready"]["message"] == f"pools not ready: decode 1/3 ready, 3/3 updated ({why})"
+    # Only pools that are not ready are explained.
+    c = conds(status(ALL_READY, trouble={"decode": why}))
+    assert c["Ready"]["status"] == "True" and why not in c["Ready"]["message"]

@@ -57,6 +57,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
+# Read-only: why a pool's pods are not running (unschedulable, image pull), for its status.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
