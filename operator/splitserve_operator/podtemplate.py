@@ -21,7 +21,7 @@ from .names import (
 )
 from .spec import Spec
 
-RUN_AS_USER = 1000
+RUN_AS_USER = 10001  # the worker image's USER (Dockerfile.worker); a test keeps them equal
 MODEL_VOLUME = "model"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ from splitserve_operator.config import OperatorConfig
 from splitserve_operator.names import CONFIG_HASH_ANNOTATION
 from splitserve_operator.spec import parse_spec
 from splitserve_workers.config import CONFIG_PATH_IN_POD, ServingConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SPEC: dict[str, Any] = {
     "model": {
@@ -169,6 +172,15 @@ def test_pods_are_hardened() -> None:
         assert sc["readOnlyRootFilesystem"] is True
         assert sc["capabilities"] == {"drop": ["ALL"]}
         assert pod["automountServiceAccountToken"] is False
+
+
+def test_pods_run_as_the_worker_images_user() -> None:
+    # The pod's user and the image's USER agree, so files the image owns stay readable.
+    dockerfile = (REPO_ROOT / "Dockerfile.worker").read_text()
+    (user_line,) = [line for line in dockerfile.splitlines() if line.startswith("USER ")]
+    uid, gid = (int(x) for x in user_line.split()[1].split(":"))
+    pod = build()[("Deployment", "chat-decode")]["spec"]["template"]["spec"]
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (uid, gid)
 
 
 def test_scheduling_fields_pass_through_and_spread_is_default() -> None:
