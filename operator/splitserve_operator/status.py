@@ -59,12 +59,29 @@ STUCK_WAITING_REASONS = frozenset(
     }
 )
 TROUBLE_MESSAGE_CHARS = 240  # per distinct cause; status stays small
+TROUBLE_MAX_CAUSES = 3  # the most common ones; the rest are counted
+
+
+def _waiting_detail(cs: dict[str, Any], reason: str, message: str) -> str:
+    """What to quote for a stuck container. A crash loop's kubelet message names the pod and
+    its growing back-off ("back-off 40s restarting failed container=worker pod=x_ns(uid)"), so
+    every pod would be its own cause and the text would change at each restart: quote how the
+    container last ended instead, which pods of one pool share."""
+    if reason != "CrashLoopBackOff":
+        return message
+    ended = (cs.get("lastState") or {}).get("terminated") or {}
+    if not ended:
+        return ""
+    return f"last exit {ended.get('reason') or 'unknown'}, code {ended.get('exitCode')}"
 
 
 def pod_trouble(pods: list[dict[str, Any]]) -> str | None:
     """Why a pool's pods are not running, from the pods' own status, one clause per distinct
     cause with its pod count ("2 pods unschedulable: 0/3 nodes are available: 3 Insufficient
-    nvidia.com/gpu."); None when no pod reports a cause (e.g. it is just starting)."""
+    nvidia.com/gpu."), most common first and at most TROUBLE_MAX_CAUSES of them; None when no
+    pod reports a cause (e.g. it is just starting). The text depends only on the causes, not
+    on pod names or the order the API lists pods in, so an unchanged problem does not rewrite
+    the status at every resync."""
     causes: dict[str, int] = {}
     for pod in pods:
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -84,7 +101,7 @@ def pod_trouble(pods: list[dict[str, Any]]) -> str | None:
         for cs in statuses:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in STUCK_WAITING_REASONS:
-                detail = waiting.get("message") or ""
+                detail = _waiting_detail(cs, waiting["reason"], waiting.get("message") or "")
                 found = f"{waiting['reason']} ({cs.get('name')})" + (
                     f": {detail}" if detail else ""
                 )
@@ -95,7 +112,12 @@ def pod_trouble(pods: list[dict[str, Any]]) -> str | None:
             causes[found] = causes.get(found, 0) + 1
     if not causes:
         return None
-    return "; ".join(f"{n} pod{'s' if n > 1 else ''} {why}" for why, n in causes.items())
+    ranked = sorted(causes.items(), key=lambda item: (-item[1], item[0]))
+    clauses = [f"{n} pod{'s' if n > 1 else ''} {why}" for why, n in ranked[:TROUBLE_MAX_CAUSES]]
+    rest = sum(n for _, n in ranked[TROUBLE_MAX_CAUSES:])
+    if rest:
+        clauses.append(f"{rest} more pod{'s' if rest > 1 else ''} with other causes")
+    return "; ".join(clauses)
 
 
 def pool_settled(state: PoolState) -> bool:

@@ -175,6 +175,8 @@ def pod(
     waiting: tuple[str, str] | None = None,
     deleting: bool = False,
     phase: str = "Pending",
+    name: str = "p",
+    last_exit: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """A pod shaped like the API's: PodScheduled=False/Unschedulable as the scheduler writes it,
     a container waiting as the kubelet reports it."""
@@ -193,7 +195,10 @@ def pod(
         status["containerStatuses"] = [
             {"name": "worker", "state": {"waiting": {"reason": reason, "message": message}}}
         ]
-    meta: dict[str, Any] = {"name": "p"}
+        if last_exit:
+            ended = {"reason": last_exit[0], "exitCode": last_exit[1]}
+            status["containerStatuses"][0]["lastState"] = {"terminated": ended}
+    meta: dict[str, Any] = {"name": name}
     if deleting:
         meta["deletionTimestamp"] = "2025-01-01T00:00:00Z"
     return {"metadata": meta, "status": status}
@@ -212,12 +217,42 @@ def test_pod_trouble_groups_causes_with_counts() -> None:
     )
     # Pods being deleted (an old ReplicaSet's) are not the pool's problem.
     assert pod_trouble([pod(unschedulable=UNSCHEDULABLE, deleting=True)]) is None
-    crash = pod(waiting=("CrashLoopBackOff", "back-off 5m0s restarting failed container"))
-    assert pod_trouble([crash]) == (
-        "1 pod CrashLoopBackOff (worker): back-off 5m0s restarting failed container"
-    )
     long = pod_trouble([pod(unschedulable="x" * 5000)])
     assert long is not None and len(long) < 300
+
+
+def crash_looping(name: str, back_off: str, last_exit: tuple[str, int]) -> dict[str, Any]:
+    # The kubelet's own message names the pod and its current back-off.
+    message = (
+        f"back-off {back_off} restarting failed container=worker pod={name}_team-a(uid-{name})"
+    )
+    return pod(name=name, waiting=("CrashLoopBackOff", message), last_exit=last_exit)
+
+
+def test_pod_trouble_groups_crash_loops_of_different_pods() -> None:
+    # Pods of one pool crash-looping alike are one cause, quoted by how they last ended; the
+    # kubelet's message (pod name, back-off that doubles at each restart) would make each pod
+    # its own clause and change the text, hence rewrite the status, on every resync.
+    pods = [
+        crash_looping("chat-decode-a", "40s", ("OOMKilled", 137)),
+        crash_looping("chat-decode-b", "5m0s", ("OOMKilled", 137)),
+    ]
+    assert pod_trouble(pods) == "2 pods CrashLoopBackOff (worker): last exit OOMKilled, code 137"
+    # A restart later: the back-off has doubled and the API lists the pods the other way round.
+    later = [pods[1], crash_looping("chat-decode-a", "1m20s", ("OOMKilled", 137))]
+    assert pod_trouble(later) == pod_trouble(pods)
+    assert pod_trouble([pod(waiting=("CrashLoopBackOff", "back-off 10s"))]) == (
+        "1 pod CrashLoopBackOff (worker)"
+    )
+
+
+def test_pod_trouble_text_does_not_depend_on_pod_order_and_stays_short() -> None:
+    causes = [pod(name=f"p{i}", unschedulable=f"reason {i}") for i in range(6)]
+    causes += [pod(name="q", unschedulable="reason 5")]
+    got = pod_trouble(causes)
+    assert got == pod_trouble(list(reversed(causes)))
+    assert got is not None and got.startswith("2 pods unschedulable: reason 5; ")
+    assert got.count("unschedulable") == 3 and got.endswith("; 3 more pods with other causes")
 
 
 def test_ready_message_says_why_pods_are_not_running() -> None:
