@@ -82,8 +82,10 @@ def reference(
 def gemm_floor(engine: LLMEngine, batch: int, reps: int = 10) -> list[float]:
     """Seconds of only the matrix multiplies of one decode step at `batch` rows, `reps` times, run
     through the engine's own weights (q|k|v, o, gate|up, down per layer, then the output
-    projection). Both engines run these same fp32 GEMMs, so transformers' step time divided by
-    this is the most any engine could beat it by at this batch size without changing the math."""
+    projection). transformers computes the same products (q, k, v and gate, up as separate
+    GEMMs, the output projection untransposed), so its step time divided by this bounds what an
+    engine calling torch's default fp32 GEMMs could beat it by at this batch size; a faster GEMM
+    kernel or weight layout (docs/engine.md: oneDNN prepacking) would raise the bound."""
     model = engine.model
     x = torch.randn(batch, model.config.hidden_size)
     calls: list[tuple[torch.nn.Module, torch.Tensor]] = []  # (linear, an input of its width)
@@ -246,7 +248,7 @@ def main() -> int:
             "transformers_tokens_per_s": round(b / step["transformers"], 2),
             "ratio": round(step["transformers"] / step["ours"], 3),
             # The step's fp32 GEMMs alone, and transformers' step over them: the ceiling on
-            # "ratio" for any engine doing the same math on this CPU.
+            # "ratio" for an engine doing the same math with torch's default GEMMs on this CPU.
             "gemm_floor_step_s": round(floor, 5),
             "ratio_ceiling": round(step["transformers"] / floor, 3),
         })  # fmt: skip
@@ -292,8 +294,8 @@ def main() -> int:
         ceiling = f"{r['ratio_ceiling']:>7.2f}x" if "ratio_ceiling" in r else ""
         print(f"{r['phase']:8} {r['batch']:>5} {r['ours_tokens_per_s']:>12.1f} "
               f"{r['transformers_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}x {ceiling}")  # fmt: skip
-    print("ceiling: transformers' decode step / the same step's fp32 GEMMs alone (the most any "
-          "engine doing this math could reach)")  # fmt: skip
+    print("ceiling: transformers' decode step / the same step's fp32 GEMMs alone (the most an "
+          "engine doing this math with torch's default GEMMs could reach)")  # fmt: skip
     if serving_rows:
         print("extra: serving workloads, whole run, useful generated tokens/s "
               "(only the tokens each request asked for; prefill time included)")  # fmt: skip
