@@ -1,13 +1,16 @@
 """The router's pure parts: request validation (every bad field named), incremental
-detokenization with stop strings, the picking policies, and discovery (static and real DNS)."""
+detokenization with stop strings, the picking policies, discovery (static and real DNS), and
+refusing up front a request no worker's cache can hold."""
 
 from __future__ import annotations
 
 import pytest
+from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.router import openai_api as api
 from splitserve_workers.router.detok import IncrementalDetokenizer
 from splitserve_workers.router.discovery import DnsDiscovery, StaticDiscovery, split_endpoints
-from splitserve_workers.router.picking import WorkerLoad, choose
+from splitserve_workers.router.flow import Flow, FlowError, FlowRequest, FlowSettings
+from splitserve_workers.router.picking import Worker, WorkerLoad, WorkerPool, choose
 
 # ---- detokenization -----------------------------------------------------------------------
 
@@ -304,3 +307,38 @@ async def test_late_load_answers_mean_busy_until_several_in_a_row() -> None:
         assert script == []
     finally:
         await pool.close()
+
+
+# ---- requests no worker's whole KV cache can hold ------------------------------------------
+
+
+def fake_pool(role: str, sizes: dict[str, tuple[int, int]]) -> WorkerPool:
+    """A pool of workers as their last Load reports left them: endpoint -> (total blocks, free
+    blocks), 16-token blocks. No channel: a request refused up front makes no call."""
+    policy = "least_queued_tokens" if role == "prefill" else "most_free_blocks"
+    pool = WorkerPool(role, StaticDiscovery(), policy)
+    for endpoint, (total, free) in sizes.items():
+        load = WorkerLoad(endpoint, healthy=True, total_blocks=total, free_blocks=free)
+        pool.workers[endpoint] = Worker(load, None, None, pb.ModelSpec(block_size=16))  # type: ignore[arg-type]
+    return pool
+
+
+@pytest.mark.parametrize("role", ["decode", "colocated"])
+@pytest.mark.parametrize("big_free", [0, 2])  # the larger worker picked last / first
+async def test_too_large_request_is_explained_by_the_largest_worker(
+    role: str, big_free: int
+) -> None:
+    # A 20-token prompt with max_tokens 20 needs 3 blocks of 16. The 1-block worker cannot hold
+    # even the prompt; the 2-block one can, so lowering max_tokens is the fix, whichever worker
+    # was asked first.
+    workers = fake_pool(role, {"small:1": (1, 1), "big:1": (2, big_free)})
+    sampling = pb.SamplingParams(max_tokens=20)
+    req = FlowRequest("r", list(range(5, 25)), sampling, pb.PRIORITY_INTERACTIVE)
+    prefill = fake_pool("prefill", {"prefill:1": (64, 64)}) if role == "decode" else None
+    flow = Flow(req, FlowSettings(), prefill=prefill, **{role: workers})
+    with pytest.raises(FlowError) as info:
+        async for _ in flow.tokens():
+            pass
+    e = info.value
+    assert (e.status, e.code, e.param) == (400, "request_too_large_for_workers", "max_tokens")
+    assert "big:1 has 2 in all" in e.message, e.message

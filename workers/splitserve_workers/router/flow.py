@@ -200,11 +200,15 @@ class Flow:
             # Refusals that waiting cannot fix: a model mismatch, or a request this worker can
             # never hold (too long for its cache or its context limit).
             incompatible = too_big = 0
-            too_big_param: str | None = None
+            # The largest too-small worker's (total blocks, why, field): with workers of several
+            # sizes, what the error names must fit the one that comes closest, not the last one.
+            biggest: tuple[int, str, str | None] | None = None
             while (worker := self.decode.pick(tried)) is not None:
                 tried.add(worker.load.endpoint)
                 if (why := self.req.too_big_for(worker)) is not None:
-                    last_reason, too_big_param = why
+                    last_reason = why[0]
+                    if biggest is None or worker.load.total_blocks > biggest[0]:
+                        biggest = (worker.load.total_blocks, *why)
                     too_big += 1
                     continue
                 try:
@@ -243,11 +247,12 @@ class Flow:
                 elif resp.reason.startswith("incompatible"):
                     incompatible += 1
             if tried and too_big and incompatible + too_big == len(tried):
+                _, reason, param = biggest or (0, last_reason, None)
                 raise FlowError(
                     400,
-                    f"no decode worker can hold this request ({last_reason})",
+                    f"no decode worker can hold this request ({reason})",
                     code="request_too_large_for_workers",
-                    param=too_big_param,
+                    param=param,
                 )
             if tried and incompatible == len(tried):
                 raise FlowError(
@@ -399,8 +404,9 @@ class Flow:
         assert self.colocated is not None
         req = self.req
         failed: set[str] = set()
-        # endpoint -> (why its whole cache cannot hold this request, field to lower)
-        too_small: dict[str, tuple[str, str | None]] = {}
+        # endpoint -> (its total blocks, why its whole cache cannot hold this request, field to
+        # lower); the error quotes the largest of them, the one that comes closest.
+        too_small: dict[str, tuple[int, str, str | None]] = {}
         worker: Worker | None = None
         call: Any = None
         done = False
@@ -414,7 +420,7 @@ class Flow:
                     if failed:
                         raise FlowError(502, f"every colocated worker failed: {last_error}")
                     if too_small:
-                        why, param = next(iter(too_small.values()))
+                        _, why, param = max(too_small.values(), key=lambda t: t[0])
                         raise FlowError(
                             400,
                             f"no colocated worker can hold this request ({why})",
@@ -422,8 +428,8 @@ class Flow:
                             param=param,
                         )
                     raise FlowError(503, "no colocated worker is available", code="no_capacity")
-                if (why := req.too_big_for(worker)) is not None:
-                    too_small[worker.load.endpoint] = why
+                if (refusal := req.too_big_for(worker)) is not None:
+                    too_small[worker.load.endpoint] = (worker.load.total_blocks, *refusal)
                     continue
                 worker.load.pending_tokens += len(req.prompt_token_ids)
                 worker.load.pending_requests += 1
