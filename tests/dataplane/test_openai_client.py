@@ -370,6 +370,12 @@ def test_too_long_prompt_names_the_limit(stack: dict[str, Any]) -> None:
     assert str(MAX_MODEL_LEN) in err["message"] and err["param"] == "prompt"
     r = _post(stack, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 10_000}))
     assert r.status_code == 400 and _error(r)["param"] == "max_tokens"
+    # The error names the field the client used.
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10_000}
+    r = _post(stack, "/v1/chat/completions", json.dumps(chat))
+    err = _error(r)
+    assert r.status_code == 400 and err["param"] == "max_completion_tokens"
+    assert "max_completion_tokens" in err["message"]
 
 
 def test_oversized_body_is_413(stack: dict[str, Any]) -> None:

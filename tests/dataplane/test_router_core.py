@@ -342,3 +342,19 @@ async def test_too_large_request_is_explained_by_the_largest_worker(
     e = info.value
     assert (e.status, e.code, e.param) == (400, "request_too_large_for_workers", "max_tokens")
     assert "big:1 has 2 in all" in e.message, e.message
+
+
+@pytest.mark.parametrize("role", ["decode", "colocated"])
+async def test_too_large_for_the_healthy_workers_only_is_busy_not_refused(role: str) -> None:
+    # The only worker that could hold the request is unhealthy right now (restarting, or
+    # mid-rollout): that is a capacity problem (503), not a request that can never be served.
+    workers = fake_pool(role, {"small:1": (1, 1), "big:1": (8, 8)})
+    workers.workers["big:1"].load.healthy = False
+    req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=20), 0)
+    prefill = fake_pool("prefill", {"prefill:1": (64, 64)}) if role == "decode" else None
+    settings = FlowSettings(admission_timeout_seconds=0.2)
+    flow = Flow(req, settings, prefill=prefill, **{role: workers})
+    with pytest.raises(FlowError) as info:
+        async for _ in flow.tokens():
+            pass
+    assert (info.value.status, info.value.code) == (503, "no_capacity"), info.value.message

@@ -278,8 +278,8 @@ class Router:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {req.prompt_param}, "
                 f"{req.max_tokens} for the completion). Please reduce the length of the "
-                f"{req.prompt_param} or max_tokens.",
-                param="max_tokens",
+                f"{req.prompt_param} or {req.max_tokens_param}.",
+                param=req.max_tokens_param,
                 code="context_length_exceeded",
             )
         return req.max_tokens
@@ -327,6 +327,7 @@ class Router:
                     _PRIORITY[req.priority],
                     [] if req.ignore_eos else self.eos_token_ids,
                     max_tokens_explicit=req.max_tokens is not None,
+                    max_tokens_param=req.max_tokens_param,
                 ),
                 self.options.flow,
                 prefill=self.pools.get("prefill"),

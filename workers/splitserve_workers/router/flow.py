@@ -77,6 +77,7 @@ class FlowRequest:
     # False when the client left max_tokens out and it runs to the context limit: a worker
     # whose cache is smaller than that limit then ends it with finish_reason "length".
     max_tokens_explicit: bool = True
+    max_tokens_param: str = "max_tokens"  # or max_completion_tokens: the field errors name
 
     @property
     def max_tokens(self) -> int:
@@ -103,12 +104,12 @@ class FlowRequest:
         blame_max_tokens = self.max_tokens_explicit and math.ceil((prompt + 1) / block) <= total
         what = f"the prompt ({prompt} tokens)"
         if blame_max_tokens:
-            what += f" plus max_tokens ({self.max_tokens})"
+            what += f" plus {self.max_tokens_param} ({self.max_tokens})"
         why = (
             f"{what} needs {need} KV blocks of {block} tokens; {worker.load.endpoint} has "
             f"{total} in all"
         )
-        return why, "max_tokens" if blame_max_tokens else None
+        return why, self.max_tokens_param if blame_max_tokens else None
 
 
 _background: set[asyncio.Task[Any]] = set()
@@ -188,6 +189,15 @@ class Flow:
 
     # ---- disaggregated -----------------------------------------------------------------
 
+    def _held_elsewhere(self, pool: WorkerPool, asked: set[str]) -> bool:
+        """A worker not asked this round (unhealthy or draining just now) whose last Load
+        report says its cache could hold the request: a rollout or a restart may bring it back,
+        so the answer is "busy" (wait, then 503), not "never" (400)."""
+        return any(
+            endpoint not in asked and w.load.total_blocks and self.req.too_big_for(w) is None
+            for endpoint, w in pool.workers.items()
+        )
+
     async def _reserve(self, worker_rid: str, source: serving_pb2.ModelSpec) -> Worker:
         """A decode worker holding blocks for the prompt; `source` is the ModelSpec of the
         prefill worker whose KV it will receive (the decode side checks compatibility)."""
@@ -246,7 +256,12 @@ class Flow:
                     worker.load.draining = True
                 elif resp.reason.startswith("incompatible"):
                     incompatible += 1
-            if tried and too_big and incompatible + too_big == len(tried):
+            if (
+                tried
+                and too_big
+                and incompatible + too_big == len(tried)
+                and not self._held_elsewhere(self.decode, tried)
+            ):
                 _, reason, param = biggest or (0, last_reason, None)
                 raise FlowError(
                     400,
@@ -419,7 +434,7 @@ class Flow:
                 if worker is None:
                     if failed:
                         raise FlowError(502, f"every colocated worker failed: {last_error}")
-                    if too_small:
+                    if too_small and not self._held_elsewhere(self.colocated, set(too_small)):
                         _, why, param = max(too_small.values(), key=lambda t: t[0])
                         raise FlowError(
                             400,

@@ -63,6 +63,7 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None  # completion prompt given as token ids
     messages: list[dict[str, Any]] | None = None  # chat messages (content flattened to text)
     max_tokens: int | None = None  # None: until the context limit (chat) / 16 (completion)
+    max_tokens_param: str = "max_tokens"  # the field the client set it with, for errors
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -429,6 +430,8 @@ def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> Gene
     max_completion_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1)
     req.max_tokens = max_tokens if max_completion_tokens is None else max_completion_tokens
+    if max_completion_tokens is not None:
+        req.max_tokens_param = "max_completion_tokens"
     return req
 
 
