@@ -117,11 +117,14 @@ class Kube:
     def list_objects(
         self, api_version: str, plural: str, namespace: str, selector: dict[str, str]
     ) -> list[dict[str, Any]]:
-        """The namespaced objects matching every label in `selector`."""
+        """The namespaced objects matching every label in `selector`, from the API server's
+        watch cache (resourceVersion=0: no etcd read; a status message can be a moment old)."""
         prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
         labels = ",".join(f"{k}={v}" for k, v in selector.items())
         doc = self.request(
-            "GET", f"{prefix}/namespaces/{namespace}/{plural}", query=[("labelSelector", labels)]
+            "GET",
+            f"{prefix}/namespaces/{namespace}/{plural}",
+            query=[("labelSelector", labels), ("resourceVersion", "0")],
         )
         items: list[dict[str, Any]] = (doc or {}).get("items") or []
         return items
