@@ -18,7 +18,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -767,22 +767,24 @@ class KVSender:
         self.queue.close()  # unblocks an engine thread waiting in on_kv
         self.pool.release(self.endpoint, self._channel_index)
         try:
-            call.result()
-        except grpc.RpcError as e:
-            self.future.set_exception(e)
-            return
-        except Exception as e:  # a cancelled grpc future raises FutureCancelledError
-            self.future.set_exception(e)
-            return
-        acked = time.monotonic()
-        self.future.set_result(
-            TransferResult(
-                bytes=self.bytes,
-                chunks=self.chunks,
-                first_send=self._first_send or acked,
-                acked=acked,
+            try:
+                call.result()
+            except Exception as e:  # grpc.RpcError, or FutureCancelledError for a cancelled call
+                self.future.set_exception(e)
+                return
+            acked = time.monotonic()
+            self.future.set_result(
+                TransferResult(
+                    bytes=self.bytes,
+                    chunks=self.chunks,
+                    first_send=self._first_send or acked,
+                    acked=acked,
+                )
             )
-        )
+        except InvalidStateError:
+            # Whoever waited gave up first (the Prefill call was cancelled, and asyncio's
+            # wrap_future cancelled `future`): there is nobody left to tell.
+            pass
 
     def release_held(self) -> None:
         """Send-after-prefill ablation: prefill is done, let the held messages go."""

@@ -96,6 +96,9 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
         )
         sender.start()
         transfer = asyncio.wrap_future(sender.future)
+        # Paths that end the call early never await `transfer`; mark its outcome as seen so a
+        # cancelled or failed stream is not reported as "Future exception was never retrieved".
+        transfer.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             stream = self.loop.submit(
                 rid,
@@ -170,8 +173,11 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
                 # decode side frees its reservation when the KV stream is cut.
                 self.loop.abort(rid)
                 self.loop.forget(rid)
-            if not sender.future.done():
-                sender.cancel()
+            # Always: when the router cancels during `await transfer`, asyncio has already
+            # cancelled `sender.future` (so it reads done) while the PushKV call is still open.
+            # Cutting that stream is what frees the decode side's reservation at once; on a
+            # finished call cancel() does nothing.
+            sender.cancel()
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -482,7 +482,16 @@ class _Run:
             await response.write(api.sse("[DONE]"))
             self.status = "ok"
             return response
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
+            # The client hung up between two writes (the handler is only cancelled once
+            # aiohttp notices the lost connection): an ordinary abort, not a server error.
+            # Returning the started response lets aiohttp close it quietly; raising would log
+            # "Error handling request" with a traceback for every such client.
+            self.status = "abort"
+            if response is not None:
+                return response
+            raise
+        except asyncio.CancelledError:
             self.status = "abort"
             raise
         finally:

@@ -1,0 +1,138 @@
+"""Faults found by driving the whole data plane at once (load, disconnects, kills): a Prefill
+cancelled while its KV transfer is still in flight cuts the KV stream (the decode side's
+reservation is freed at once, not at lease expiry) without error noise in the prefill log, and
+clients hanging up mid-stream under load leave no tracebacks in the router's log."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from splitserve_workers.proto import serving_pb2 as pb
+from splitserve_workers.proto import serving_pb2_grpc as pbg
+
+pytestmark = pytest.mark.slow
+
+# Bounds on waits so a broken build fails instead of hanging; nothing here measures speed.
+WAIT_S = 60.0
+
+
+class StalledDecode(pbg.DecodeServiceServicer):
+    """A decode side that takes the whole KV stream but never acknowledges it, so the prefill
+    worker sits in its wait for the transfer; records when the stream is cut."""
+
+    def __init__(self) -> None:
+        self.received_last = asyncio.Event()
+        self.cut = asyncio.Event()
+
+    async def PushKV(self, request_iterator: Any, context: Any) -> pb.PushKVResponse:
+        async for chunk in request_iterator:
+            if chunk.last:
+                self.received_last.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cut.set()
+            raise
+        return pb.PushKVResponse()
+
+
+async def test_prefill_cancelled_during_transfer_cuts_the_kv_stream(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any, dataplane: Any
+) -> None:
+    fake = StalledDecode()
+    server = grpc.aio.server()
+    pbg.add_DecodeServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
+        spec = (await dataplane.load(prefill.endpoint, "prefill")).model
+        call = dataplane.prefill(prefill.endpoint).Prefill(
+            pb.PrefillRequest(
+                request_id="cut-1",
+                prompt_token_ids=list(range(2, 40)),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=8),
+                decode_endpoint=f"127.0.0.1:{port}",
+                decode_model=spec,
+            )
+        )
+        first = await asyncio.wait_for(call.read(), WAIT_S)
+        assert first.HasField("first_token")
+        # The whole prompt's KV has been sent; prefill now waits for decode's acknowledgement.
+        await asyncio.wait_for(fake.received_last.wait(), WAIT_S)
+        call.cancel()
+        # Cancelling Prefill must cut the KV stream (that is what frees a real decode worker's
+        # reservation), not leave it open until the decode side answers or a lease runs out.
+        await asyncio.wait_for(fake.cut.wait(), WAIT_S)
+        # The prefill worker is still healthy and its blocks are back.
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            report = await dataplane.load(prefill.endpoint, "prefill")
+            if report.free_blocks == report.total_blocks or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert report.free_blocks == report.total_blocks
+        log = prefill.log()
+        assert "Exception in callback" not in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+    finally:
+        await server.stop(None)
+
+
+def test_clients_hanging_up_mid_stream_leave_no_tracebacks(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "256"))
+    router = launch_worker(
+        "router",
+        [
+            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
+            "--model-name", "tiny", "--prefill", prefill.endpoint, "--decode", decode.endpoint,
+        ],
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{router.port}"
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(base + "/ready", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "router never became ready"
+        time.sleep(0.1)
+
+    async def hang_up(client: httpx.AsyncClient, after: int) -> None:
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen >= after:
+                        return  # closes the connection with tokens still coming
+
+    async def storm() -> None:
+        async with httpx.AsyncClient(base_url=base, timeout=WAIT_S) as client:
+            for round_ in range(4):
+                await asyncio.gather(*(hang_up(client, 1 + (i + round_) % 5) for i in range(16)))
+
+    asyncio.run(storm())
+    # Every request was aborted on both pools.
+    for worker, role in ((prefill, pbg.PrefillServiceStub), (decode, pbg.DecodeServiceStub)):
+        deadline = time.monotonic() + WAIT_S
+        with grpc.insecure_channel(worker.endpoint) as channel:
+            while True:
+                report = role(channel).Load(pb.LoadRequest(), timeout=WAIT_S)
+                if report.free_blocks == report.total_blocks or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        assert report.free_blocks == report.total_blocks, worker.role
+    # A client hanging up is ordinary: no "Error handling request" traceback in the router log.
+    metrics = httpx.get(base + "/metrics", timeout=5).text
+    assert 'status="abort"' in metrics
+    log = router.log()
+    assert "Traceback" not in log, log[-3000:]
