@@ -1,11 +1,14 @@
 """Faults found by driving the whole data plane at once (load, disconnects, kills): a Prefill
 cancelled while its KV transfer is still in flight cuts the KV stream (the decode side's
-reservation is freed at once, not at lease expiry) without error noise in the prefill log, and
-clients hanging up mid-stream under load leave no tracebacks in the router's log."""
+reservation is freed at once, not at lease expiry) without error noise in the prefill log;
+clients hanging up mid-stream under load leave no tracebacks in the router's log; and a decode
+host that freezes without closing its connections ends Prefill (KV stream) and the client's
+stream (router) within the keepalive, not after gRPC's one-minute default ping timeout."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -136,3 +139,94 @@ def test_clients_hanging_up_mid_stream_leave_no_tracebacks(
     assert 'status="abort"' in metrics
     log = router.log()
     assert "Traceback" not in log, log[-3000:]
+
+
+async def test_prefill_to_a_frozen_decode_worker_ends_instead_of_hanging(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any, dataplane: Any
+) -> None:
+    """A decode host that stops answering without closing its connections (a frozen process, a
+    partitioned node) after it reserved the blocks: the prefill worker's KV stream must notice
+    (HTTP/2 keepalive) and end Prefill with an error, else the router's Prefill call, and the
+    client behind it, wait for as long as the host stays frozen."""
+    prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "64"))
+    spec = (await dataplane.load(decode.endpoint)).model
+    prompt = list(range(2, 40))
+    # One whole request first, so the prefill worker's KV connection to decode is established
+    # (a connection still being set up has its own timeout; an established one has none).
+    await dataplane.generate_disaggregated(prefill.endpoint, decode.endpoint, "warm", prompt, 4)
+    res = await dataplane.decode(decode.endpoint).Reserve(
+        pb.ReserveRequest(request_id="frozen-1", model=spec, num_prompt_tokens=len(prompt),
+                          max_tokens=8)
+    )  # fmt: skip
+    assert res.accepted, res.reason
+    decode.proc.send_signal(signal.SIGSTOP)
+    try:
+        call = dataplane.prefill(prefill.endpoint).Prefill(
+            pb.PrefillRequest(
+                request_id="frozen-1",
+                prompt_token_ids=prompt,
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=8),
+                decode_endpoint=decode.endpoint,
+                decode_model=spec,
+            )
+        )
+
+        async def drain() -> None:
+            async for _event in call:
+                pass
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            try:
+                await asyncio.wait_for(drain(), WAIT_S)
+            except TimeoutError:
+                pytest.fail(f"Prefill still waiting for a frozen decode worker after {WAIT_S}s")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert decode.endpoint in (err.value.details() or "")
+    finally:
+        decode.proc.send_signal(signal.SIGCONT)
+    # The prefill side is clean afterwards: its blocks are back and it still serves.
+    report = await dataplane.load(prefill.endpoint, "prefill")
+    assert report.free_blocks == report.total_blocks
+    assert "Traceback" not in prefill.log(), prefill.log()[-3000:]
+
+
+def test_decode_frozen_mid_stream_ends_the_client_stream(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    """A decode host that freezes mid-Generate (no TCP reset): the router's keepalive must end
+    the client's stream with an error event in seconds, not after gRPC's one-minute default
+    ping timeout."""
+    prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "256"))
+    router = launch_worker(
+        "router",
+        [
+            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
+            "--model-name", "tiny", "--prefill", prefill.endpoint, "--decode", decode.endpoint,
+        ],
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{router.port}"
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(base + "/ready", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "router never became ready"
+        time.sleep(0.1)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    events: list[str] = []
+    # Bounded below gRPC's default 60 s ping timeout, so only working keepalive passes.
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=45.0) as r:
+        assert r.status_code == 200
+        try:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: ") :])
+                if len(events) == 2:
+                    decode.proc.send_signal(signal.SIGSTOP)
+        except httpx.ReadTimeout:
+            pytest.fail("the client stream stalled on a frozen decode worker")
+        finally:
+            decode.proc.send_signal(signal.SIGCONT)
+    assert events[-1] == "[DONE]"
+    assert '"error"' in events[-2], events[-3:]

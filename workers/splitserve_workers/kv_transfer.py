@@ -60,6 +60,10 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+KEEPALIVE_TIME_MS = 10_000  # HTTP/2 ping interval on KV connections (both directions)
+KEEPALIVE_TIMEOUT_MS = 5_000  # no ping acknowledgement within this: the connection is dead
+
+
 def kv_channel_options() -> list[tuple[str, Any]]:
     """gRPC channel/server options for the KV path (both ends use them)."""
     return [
@@ -78,6 +82,19 @@ def kv_channel_options() -> list[tuple[str, Any]]:
         # Each pooled channel gets its own TCP connection (the default subchannel pool would
         # share one connection between channels with equal arguments).
         ("grpc.use_local_subchannel_pool", 1),
+        # A peer that stops answering without closing the connection (frozen process,
+        # partitioned node) must fail the KV stream in seconds: PushKV has no deadline, so
+        # without pings Prefill, and the client behind the router, would wait as long as the
+        # peer stays frozen. Ping every 10 s, give up 5 s later, also while no data flows
+        # (after the last chunk, waiting for decode's acknowledgement). This gRPC core only
+        # enforces the ping timeout (default 1 minute), not keepalive_timeout: set both.
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Server side: accept those pings (the default minimum interval is 5 minutes, and
+        # faster pings count as abuse and end the connection with GOAWAY).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ]
 
 
