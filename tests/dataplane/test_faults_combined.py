@@ -3,13 +3,16 @@ cancelled while its KV transfer is still in flight cuts the KV stream (the decod
 reservation is freed at once, not at lease expiry) without error noise in the prefill log;
 clients hanging up mid-stream under load leave no tracebacks in the router's log; and a decode
 host that freezes without closing its connections ends Prefill (KV stream) and the client's
-stream (router) within the keepalive, not after gRPC's one-minute default ping timeout."""
+stream (router) within the keepalive, not after gRPC's one-minute default ping timeout; a
+draining router answers with `Connection: close` so keep-alive clients stop reusing the
+connection it is about to drop."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +233,63 @@ def test_decode_frozen_mid_stream_ends_the_client_stream(
             decode.proc.send_signal(signal.SIGCONT)
     assert events[-1] == "[DONE]"
     assert '"error"' in events[-2], events[-3:]
+
+
+def test_draining_router_closes_keep_alive_connections(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any
+) -> None:
+    """While the router drains (SIGTERM, a request still in flight), its answers carry
+    `Connection: close`: a keep-alive client must not send its next request on a connection the
+    router is about to drop at exit, where it would get no answer at all."""
+    prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "256"))
+    router = launch_worker(
+        "router",
+        [
+            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
+            "--model-name", "tiny", "--prefill", prefill.endpoint, "--decode", decode.endpoint,
+        ],
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{router.port}"
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(base + "/ready", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "router never became ready"
+        time.sleep(0.1)
+    small = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=base, timeout=WAIT_S) as keep_alive:
+        first = keep_alive.post("/v1/completions", json=small)
+        assert first.status_code == 200
+        assert first.headers.get("connection", "").lower() != "close"
+        # A request that stays in flight (its decode worker stops answering, so it waits for
+        # admission), so the router's drain waits for it.
+        decode.proc.send_signal(signal.SIGSTOP)
+        pending = ThreadPoolExecutor(1)
+        try:
+            held = pending.submit(httpx.post, base + "/v1/completions", json=small, timeout=WAIT_S)
+            deadline = time.monotonic() + WAIT_S
+            while "splitserve_router_requests_in_flight" not in _in_flight_lines(base):
+                assert time.monotonic() < deadline, "the held request never reached the router"
+                time.sleep(0.05)
+            router.proc.send_signal(signal.SIGTERM)
+            while httpx.get(base + "/ready", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "the router never started draining"
+                time.sleep(0.05)
+            again = keep_alive.post("/v1/completions", json=small)
+            assert again.status_code == 503, again.text
+            assert again.json()["error"]["code"] == "draining"
+            assert again.headers.get("connection", "").lower() == "close"
+        finally:
+            decode.proc.send_signal(signal.SIGCONT)
+            pending.shutdown(wait=True)
+    assert held.result().status_code in (200, 503)
+    assert router.proc.wait(timeout=WAIT_S) == 0
+
+
+def _in_flight_lines(base: str) -> str:
+    """The router's in-flight gauge lines whose value is not zero."""
+    text = httpx.get(base + "/metrics", timeout=5).text
+    return "\n".join(
+        line
+        for line in text.splitlines()
+        if line.startswith("splitserve_router_requests_in_flight") and not line.endswith(" 0.0")
+    )

@@ -149,6 +149,14 @@ class Router:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        response = await self._answer(request, handler)
+        if self.draining:
+            # Shutting down: tell keep-alive clients not to send another request on this
+            # connection, or the one that crosses our exit is lost without an answer.
+            response.force_close()
+        return response
+
+    async def _answer(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             return await handler(request)
         except api.APIError as e:
