@@ -4,6 +4,8 @@ refusing up front a request no worker's cache can hold."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.router import openai_api as api
@@ -358,3 +360,58 @@ async def test_too_large_for_the_healthy_workers_only_is_busy_not_refused(role: 
         async for _ in flow.tokens():
             pass
     assert (info.value.status, info.value.code) == (503, "no_capacity"), info.value.message
+
+
+class _Stop(Exception):
+    """Ends the flow right after the Prefill call is made (which worker got it is the point)."""
+
+
+class _FakeDecode:
+    """Accepts every reservation; `during_reserve` runs while the router waits for it."""
+
+    def __init__(self, during_reserve: Any) -> None:
+        self.during_reserve = during_reserve
+        self.aborted: list[str] = []
+
+    async def Reserve(self, req: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
+        self.during_reserve()
+        return pb.ReserveResponse(accepted=True, free_blocks=10)
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        self.aborted.append(req.request_id)
+        return pb.AbortResponse()
+
+
+class _FakePrefill:
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def Prefill(self, req: pb.PrefillRequest) -> Any:
+        self.calls.append(self.name)
+        raise _Stop
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        return pb.AbortResponse()
+
+
+async def test_prefill_worker_lost_while_waiting_for_decode_blocks_is_replaced() -> None:
+    # The prefill worker is picked first (decode checks its ModelSpec), then the router may wait
+    # for decode blocks; if that worker died meanwhile, its twin gets the Prefill call instead
+    # of a doomed attempt.
+    calls: list[str] = []
+    prefill = fake_pool("prefill", {"a:1": (64, 64), "b:1": (64, 64)})
+    for endpoint, worker in prefill.workers.items():
+        worker.stub = _FakePrefill(endpoint, calls)
+    prefill.workers["b:1"].load.queued_tokens = 1000  # "a:1" is picked first
+    decode = fake_pool("decode", {"d:1": (64, 64)})
+
+    def a_dies() -> None:
+        prefill.workers["a:1"].load.healthy = False
+
+    decode.workers["d:1"].stub = _FakeDecode(a_dies)
+    req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=4), 0)
+    flow = Flow(req, FlowSettings(), prefill=prefill, decode=decode)
+    with pytest.raises(_Stop):
+        async for _ in flow.tokens():
+            pass
+    assert calls == ["b:1"]

@@ -314,6 +314,14 @@ class Flow:
                 if prefill is None:
                     raise FlowError(503, "no prefill worker is available", code="no_capacity")
                 decode = await self._reserve(worker_rid, prefill.model)
+                if not prefill.load.healthy or prefill.load.draining:
+                    # Waiting for decode blocks can take up to the admission timeout; the
+                    # worker picked before it may have died or started draining meanwhile.
+                    # Another with the same ModelSpec (the one the reservation was checked
+                    # against) takes its place instead of wasting an attempt.
+                    other = self.prefill.pick(failed_prefill)
+                    if other is not None and other.model == prefill.model:
+                        prefill = other
                 self.stats.prefill_attempts += 1
                 self.stats.prefill_endpoint = prefill.load.endpoint
                 prefill.load.pending_tokens += len(req.prompt_token_ids)
