@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -293,3 +294,49 @@ def _in_flight_lines(base: str) -> str:
         for line in text.splitlines()
         if line.startswith("splitserve_router_requests_in_flight") and not line.endswith(" 0.0")
     )
+
+
+def test_router_exit_answers_connections_accepted_before_it_stopped_listening(
+    tiny_model: Path, launch_worker: Any
+) -> None:
+    """A client that connected just before the router's drain ended and sends its request a
+    moment later gets an answer (503 draining), not a dropped connection; a client connecting
+    after that is refused outright (a clean, retryable error)."""
+    # No workers behind it: requests would get 503 anyway; what is tested is that they are
+    # answered at all while the router shuts down.
+    router = launch_worker(
+        "router",
+        [
+            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
+            "--model-name", "tiny", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9",
+        ],
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{router.port}"
+    deadline = time.monotonic() + WAIT_S
+    while True:  # up: /health answers (readiness stays false without workers)
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "router never started"
+        time.sleep(0.1)
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    with socket.create_connection(("127.0.0.1", router.port), timeout=WAIT_S) as early:
+        time.sleep(0.3)  # accepted by the router's event loop, no request yet
+        router.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # nothing in flight: the drain is over at once
+        early.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = early.recv(65536)
+            assert chunk, f"connection dropped without an answer (got {answer!r})"
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", router.port), timeout=WAIT_S).close()
+    assert router.proc.wait(timeout=WAIT_S) == 0

@@ -665,6 +665,11 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
     return options, port
 
 
+# After the drain, how long connections accepted before the listener closed may still send a
+# request and get an answer.
+DRAIN_LINGER_S = 1.0
+
+
 class ListenError(Exception):
     """The router's port cannot be bound."""
 
@@ -695,6 +700,15 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None
     deadline = time.monotonic() + router.options.drain_timeout
     while router.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
+    # Stop accepting first (new connections are refused: a clean, retryable error), then give
+    # requests on connections accepted just before a moment to be read and answered (503
+    # draining, Connection: close). Closing right away dropped them unanswered: cleanup closes
+    # every connection that has not delivered a request yet.
+    for site in list(runner.sites):
+        await site.stop()
+    linger_end = time.monotonic() + DRAIN_LINGER_S
+    while time.monotonic() < linger_end or (router.in_flight and time.monotonic() < deadline):
+        await asyncio.sleep(0.05)
     await runner.cleanup()
 
 
