@@ -165,7 +165,9 @@ class DecodeRole:
     def _fail(self, res: Reservation, code: grpc.StatusCode, message: str, reason: str) -> None:
         if self.reservations.fail(res, Failure(code, message, reason), time.monotonic()):
             self.w.metrics.rejected(reason)
-            log.warning("transfer %s failed: %s", res.request_id, message)
+            # A router abort (client gone, stop string) is routine; the rest are faults.
+            level = logging.INFO if reason == "aborted" else logging.WARNING
+            log.log(level, "transfer %s failed: %s", res.request_id, message)
 
     async def _open_stream(self, rid: str, context: grpc.aio.ServicerContext) -> Reservation:
         res = self.reservations.get(rid)
