@@ -29,6 +29,27 @@ pytestmark = pytest.mark.slow
 WAIT_S = 60.0
 
 
+def router_cmd(model: Path, prefill: str, decode: str) -> list[str]:
+    return [
+        "--model", str(model), "--port", "0", "--host", "127.0.0.1",
+        "--model-name", "tiny", "--prefill", prefill, "--decode", decode,
+    ]  # fmt: skip
+
+
+def start_stack(model: Path, launch_worker: Any, worker_flags: Any) -> tuple[Any, Any, Any, str]:
+    """A prefill worker, a decode worker and a router in front of them, ready to serve:
+    (prefill, decode, router, the router's base URL)."""
+    prefill = launch_worker("prefill", worker_flags(model, "--num-kv-blocks", "64"))
+    decode = launch_worker("decode", worker_flags(model, "--num-kv-blocks", "256"))
+    router = launch_worker("router", router_cmd(model, prefill.endpoint, decode.endpoint))
+    base = f"http://127.0.0.1:{router.port}"
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(base + "/ready", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "router never became ready"
+        time.sleep(0.1)
+    return prefill, decode, router, base
+
+
 class StalledDecode(pbg.DecodeServiceServicer):
     """A decode side that takes the whole KV stream but never acknowledges it, so the prefill
     worker sits in its wait for the transfer; records when the stream is cut."""
@@ -95,20 +116,7 @@ async def test_prefill_cancelled_during_transfer_cuts_the_kv_stream(
 def test_clients_hanging_up_mid_stream_leave_no_tracebacks(
     tiny_model: Path, launch_worker: Any, worker_flags: Any
 ) -> None:
-    prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
-    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "256"))
-    router = launch_worker(
-        "router",
-        [
-            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
-            "--model-name", "tiny", "--prefill", prefill.endpoint, "--decode", decode.endpoint,
-        ],
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{router.port}"
-    deadline = time.monotonic() + WAIT_S
-    while httpx.get(base + "/ready", timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "router never became ready"
-        time.sleep(0.1)
+    prefill, decode, router, base = start_stack(tiny_model, launch_worker, worker_flags)
 
     async def hang_up(client: httpx.AsyncClient, after: int) -> None:
         body = {"model": "tiny", "prompt": "hello there", "max_tokens": 200, "ignore_eos": True,
@@ -201,20 +209,7 @@ def test_decode_frozen_mid_stream_ends_the_client_stream(
     """A decode host that freezes mid-Generate (no TCP reset): the router's keepalive must end
     the client's stream with an error event in seconds, not after gRPC's one-minute default
     ping timeout."""
-    prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
-    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "256"))
-    router = launch_worker(
-        "router",
-        [
-            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
-            "--model-name", "tiny", "--prefill", prefill.endpoint, "--decode", decode.endpoint,
-        ],
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{router.port}"
-    deadline = time.monotonic() + WAIT_S
-    while httpx.get(base + "/ready", timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "router never became ready"
-        time.sleep(0.1)
+    prefill, decode, router, base = start_stack(tiny_model, launch_worker, worker_flags)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True,
             "stream": True}  # fmt: skip
     events: list[str] = []
@@ -242,20 +237,7 @@ def test_draining_router_closes_keep_alive_connections(
     """While the router drains (SIGTERM, a request still in flight), its answers carry
     `Connection: close`: a keep-alive client must not send its next request on a connection the
     router is about to drop at exit, where it would get no answer at all."""
-    prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
-    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "256"))
-    router = launch_worker(
-        "router",
-        [
-            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
-            "--model-name", "tiny", "--prefill", prefill.endpoint, "--decode", decode.endpoint,
-        ],
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{router.port}"
-    deadline = time.monotonic() + WAIT_S
-    while httpx.get(base + "/ready", timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "router never became ready"
-        time.sleep(0.1)
+    prefill, decode, router, base = start_stack(tiny_model, launch_worker, worker_flags)
     small = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     with httpx.Client(base_url=base, timeout=WAIT_S) as keep_alive:
         first = keep_alive.post("/v1/completions", json=small)
@@ -304,13 +286,7 @@ def test_router_exit_answers_connections_accepted_before_it_stopped_listening(
     after that is refused outright (a clean, retryable error)."""
     # No workers behind it: requests would get 503 anyway; what is tested is that they are
     # answered at all while the router shuts down.
-    router = launch_worker(
-        "router",
-        [
-            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
-            "--model-name", "tiny", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9",
-        ],
-    )  # fmt: skip
+    router = launch_worker("router", router_cmd(tiny_model, "127.0.0.1:9", "127.0.0.1:9"))
     base = f"http://127.0.0.1:{router.port}"
     deadline = time.monotonic() + WAIT_S
     while True:  # up: /health answers (readiness stays false without workers)
