@@ -189,13 +189,35 @@ class Flow:
 
     # ---- disaggregated -----------------------------------------------------------------
 
-    def _held_elsewhere(self, pool: WorkerPool, asked: set[str]) -> bool:
-        """A worker not asked this round (unhealthy or draining just now) whose last Load
-        report says its cache could hold the request: a rollout or a restart may bring it back,
-        so the answer is "busy" (wait, then 503), not "never" (400)."""
-        return any(
+    def _too_large(
+        self,
+        kind: str,
+        pool: WorkerPool,
+        too_small: dict[str, tuple[str, str | None]],
+        asked: set[str],
+        fallback: str,
+    ) -> FlowError | None:
+        """The 400 for a request no worker of `pool` can ever hold. It quotes the largest
+        worker in `too_small` (endpoint -> (why, field to lower)): with workers of several
+        sizes, what it names must fit the one that comes closest. None when a worker not asked
+        this round (unhealthy or draining just now) reported a cache that could hold it: a
+        restart or rollout may bring it back, so the answer is "busy" (wait, then 503)."""
+        if any(
             endpoint not in asked and w.load.total_blocks and self.req.too_big_for(w) is None
             for endpoint, w in pool.workers.items()
+        ):
+            return None
+        why, param = fallback, None
+        if too_small:
+            largest = max(
+                too_small, key=lambda e: w.load.total_blocks if (w := pool.workers.get(e)) else 0
+            )
+            why, param = too_small[largest]
+        return FlowError(
+            400,
+            f"no {kind} worker can hold this request ({why})",
+            code="request_too_large_for_workers",
+            param=param,
         )
 
     async def _reserve(self, worker_rid: str, source: serving_pb2.ModelSpec) -> Worker:
@@ -210,15 +232,12 @@ class Flow:
             # Refusals that waiting cannot fix: a model mismatch, or a request this worker can
             # never hold (too long for its cache or its context limit).
             incompatible = too_big = 0
-            # The largest too-small worker's (total blocks, why, field): with workers of several
-            # sizes, what the error names must fit the one that comes closest, not the last one.
-            biggest: tuple[int, str, str | None] | None = None
+            too_small: dict[str, tuple[str, str | None]] = {}  # endpoint -> (why, field)
             while (worker := self.decode.pick(tried)) is not None:
                 tried.add(worker.load.endpoint)
-                if (why := self.req.too_big_for(worker)) is not None:
-                    last_reason = why[0]
-                    if biggest is None or worker.load.total_blocks > biggest[0]:
-                        biggest = (worker.load.total_blocks, *why)
+                if (refusal := self.req.too_big_for(worker)) is not None:
+                    too_small[worker.load.endpoint] = refusal
+                    last_reason = refusal[0]
                     too_big += 1
                     continue
                 try:
@@ -256,19 +275,10 @@ class Flow:
                     worker.load.draining = True
                 elif resp.reason.startswith("incompatible"):
                     incompatible += 1
-            if (
-                tried
-                and too_big
-                and incompatible + too_big == len(tried)
-                and not self._held_elsewhere(self.decode, tried)
-            ):
-                _, reason, param = biggest or (0, last_reason, None)
-                raise FlowError(
-                    400,
-                    f"no decode worker can hold this request ({reason})",
-                    code="request_too_large_for_workers",
-                    param=param,
-                )
+            if tried and too_big and incompatible + too_big == len(tried):
+                error = self._too_large("decode", self.decode, too_small, tried, last_reason)
+                if error is not None:
+                    raise error
             if tried and incompatible == len(tried):
                 raise FlowError(
                     502,
@@ -427,9 +437,8 @@ class Flow:
         assert self.colocated is not None
         req = self.req
         failed: set[str] = set()
-        # endpoint -> (its total blocks, why its whole cache cannot hold this request, field to
-        # lower); the error quotes the largest of them, the one that comes closest.
-        too_small: dict[str, tuple[int, str, str | None]] = {}
+        # endpoint -> (why its whole cache cannot hold this request, field to lower)
+        too_small: dict[str, tuple[str, str | None]] = {}
         worker: Worker | None = None
         call: Any = None
         done = False
@@ -442,17 +451,15 @@ class Flow:
                 if worker is None:
                     if failed:
                         raise FlowError(502, f"every colocated worker failed: {last_error}")
-                    if too_small and not self._held_elsewhere(self.colocated, set(too_small)):
-                        _, why, param = max(too_small.values(), key=lambda t: t[0])
-                        raise FlowError(
-                            400,
-                            f"no colocated worker can hold this request ({why})",
-                            code="request_too_large_for_workers",
-                            param=param,
+                    if too_small and (
+                        error := self._too_large(
+                            "colocated", self.colocated, too_small, set(too_small), last_error
                         )
+                    ):
+                        raise error
                     raise FlowError(503, "no colocated worker is available", code="no_capacity")
                 if (refusal := req.too_big_for(worker)) is not None:
-                    too_small[worker.load.endpoint] = (worker.load.total_blocks, *refusal)
+                    too_small[worker.load.endpoint] = refusal
                     continue
                 worker.load.pending_tokens += len(req.prompt_token_ids)
                 worker.load.pending_requests += 1
