@@ -186,6 +186,11 @@ class Router:
     async def model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{model} (the openai client's `models.retrieve`)."""
         name = request.match_info["model"]
+        self._check_model(name)
+        return web.json_response(api.model_object(name, self.created, self.options.max_model_len))
+
+    def _check_model(self, name: str) -> None:
+        """404 model_not_found unless `name` is the model this router serves."""
         if name != self.options.model_name:
             raise api.APIError(
                 404,
@@ -194,7 +199,6 @@ class Router:
                 param="model",
                 code="model_not_found",
             )
-        return web.json_response(api.model_object(name, self.created, self.options.max_model_len))
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -305,14 +309,8 @@ class Router:
             req = (api.parse_chat if kind == "chat" else api.parse_completion)(
                 body, header_priority
             )
-            if req.model and req.model != self.options.model_name:
-                raise api.APIError(
-                    404,
-                    f"The model '{req.model}' does not exist; this server "
-                    f"serves '{self.options.model_name}'",
-                    param="model",
-                    code="model_not_found",
-                )
+            if req.model:
+                self._check_model(req.model)
             prompt_ids, prompt_text = self._prompt_ids(req)
             max_tokens = self._check_length(req, len(prompt_ids))
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
