@@ -1,7 +1,8 @@
 """The kopf shell: thin handlers that parse the spec, build the desired children
 (children.desired_children), apply them (reconcile.apply_children), and write status and Events.
 create/update/resume and a resync timer all run the same level-based reconcile; a watch on the
-children's Deployments refreshes status as soon as pods become ready. register() wires them
+children's Deployments refreshes status as soon as pods become ready, and a deleted Deployment or
+Service is recreated as soon as the watch sees it go. register() wires them
 into a registry with the operator's settings."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import datetime
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -73,7 +74,11 @@ class Operator:
             self.write_status(namespace, name, error=str(e))
             kopf.warn(body, reason="ApplyFailed", message=str(e))
             raise kopf.TemporaryError(str(e), delay=10) from e
-        if outcome.created:
+        if outcome.created and why == "child-deleted":
+            kopf.info(
+                body, reason="DriftRepaired", message="recreated " + ", ".join(outcome.created)
+            )
+        elif outcome.created:
             kopf.info(body, reason="Created", message="created " + ", ".join(outcome.created))
         if outcome.updated:
             # On a resync nothing in the spec changed: a change means someone edited a child.
@@ -84,6 +89,20 @@ class Operator:
                 f"{why}: created {len(outcome.created)}, updated {len(outcome.updated)} children"
             )
         self.write_status(namespace, name, applied_generation=generation)
+
+    def repair(self, namespace: str, service: str, logger: logging.Logger | kopf.Logger) -> None:
+        """A child was deleted: reconcile its LLMService now instead of at the next resync
+        (the resync stays the backstop). Nothing to do while the LLMService itself is going
+        away, since then the garbage collector is what deletes its children."""
+        ref = Ref(f"{GROUP}/{VERSION}", "LLMService", namespace, service)
+        body = self.kube.get(ref)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            self.reconcile(kopf.Body(cast(kopf.RawBody, body)), logger, why="child-deleted")
+        except (kopf.PermanentError, kopf.TemporaryError) as e:
+            # Already in status and Events; the resync retries.
+            logger.warning(f"repairing {namespace}/{service}: {e}")
 
     def pool_trouble(
         self, namespace: str, service: str, deployments: dict[str, dict[str, Any] | None]
@@ -191,10 +210,16 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         # Children carry owner references: the garbage collector deletes them.
         logger.info("deleted; children are garbage-collected through their owner references")
 
-    def on_deployment(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    def on_child(
+        body: kopf.Body, namespace: str | None, type: str | None, logger: kopf.Logger, **_: Any
+    ) -> None:
         service = owner_service(body)
-        if service and namespace:
-            operator.write_status(namespace, service)
+        if not (service and namespace):
+            return
+        if type == "DELETED":
+            operator.repair(namespace, service, logger)
+        elif body.get("kind") == "Deployment":
+            operator.write_status(namespace, service)  # pods became (un)ready
 
     # kopf adds default login handlers only to its global registry; this one is our own.
     kopf.on.login(registry=registry)(kopf.login_via_client)
@@ -211,11 +236,10 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         interval=operator.config.resync_seconds,
         initial_delay=operator.config.resync_seconds,
     )(on_resync)
-    kopf.on.event(
-        "apps",
-        "v1",
-        "deployments",
-        registry=registry,
-        id="child-deployment",
-        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
-    )(on_deployment)
+    # The children whose loss stops serving: a deleted Deployment or Service comes back at
+    # once; the rest (ConfigMap, PodDisruptionBudget, monitors) at the next resync.
+    managed = {"app.kubernetes.io/managed-by": MANAGED_BY}
+    kopf.on.event("apps", "v1", "deployments", registry=registry, id="child-deployment",
+                  labels=managed)(on_child)  # fmt: skip
+    kopf.on.event("v1", "services", registry=registry, id="child-service",
+                  labels=managed)(on_child)  # fmt: skip

@@ -130,6 +130,7 @@ def test_rbac_has_no_wildcards_and_covers_what_the_operator_writes(
         assert needed <= verbs, f"{group}/{plural}: has {sorted(verbs)}"
     assert {"list", "watch"} <= allowed("splitserve.io", "llmservices")
     assert {"list", "watch"} <= allowed("apps", "deployments")  # the status watch
+    assert {"list", "watch"} <= allowed("", "services")  # a deleted Service comes back at once
     assert allowed("", "pods") == {"list"}  # why a pool's pods are not running; read-only
     assert "patch" in allowed("splitserve.io", "llmservices/status")
     assert "create" in allowed("", "events")

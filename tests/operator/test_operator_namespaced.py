@@ -4,6 +4,7 @@ peering between two replicas: the one of lower priority pauses."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,10 +36,10 @@ def release_namespace(control_plane: Any) -> Iterator[tuple[str, str]]:
         control_plane.delete_namespace(namespace)
 
 
-def operator(cp: Any, namespace: str, sa: str, priority: int) -> OperatorProcess:
+def operator(cp: Any, namespace: str, sa: str, priority: int, *extra: str) -> OperatorProcess:
     log = Path(cp.workdir) / "logs" / f"operator-{namespace}-{priority}.log"
     kubeconfig = cp.kubeconfig_for_service_account(namespace, sa)
-    args = [f"--namespace={namespace}", "--peering=splitserve", f"--priority={priority}"]
+    args = [f"--namespace={namespace}", "--peering=splitserve", f"--priority={priority}", *extra]
     return OperatorProcess(kubeconfig, args, log).start()
 
 
@@ -73,6 +74,50 @@ def test_namespaced_roles_suffice_and_peers_do_not_both_act(
                    check=False)  # fmt: skip
         standby.stop()
         leader.stop()
+
+
+def test_a_deleted_deployment_or_service_is_recreated_by_the_watch_not_the_resync(
+    control_plane: Any, release_namespace: tuple[str, str]
+) -> None:
+    cp = control_plane
+    namespace, sa = release_namespace
+    # A resync an hour away: whatever comes back within this test, the child watch brought back.
+    op = operator(cp, namespace, sa, 500, "--resync-seconds=3600")
+    try:
+        cp.kubectl("apply", "-n", namespace, "-f",
+                   str(REPO_ROOT / "manifests" / "examples" / "tiny-cpu.yaml"))  # fmt: skip
+        wait_until(lambda: is_ready(get_json(cp, "-n", namespace, "llmservice", "tiny")),
+                   "tiny Ready", 180)  # fmt: skip
+
+        def uid(kind: str, name: str) -> str | None:
+            obj = get_json(cp, "-n", namespace, kind, name)
+            return obj["metadata"]["uid"] if obj else None
+
+        old = {("deployment", "tiny-decode"): uid("deployment", "tiny-decode"),
+               ("service", "tiny-router"): uid("service", "tiny-router")}  # fmt: skip
+        assert all(old.values())
+        for kind, name in old:
+            cp.kubectl("delete", "-n", namespace, kind, name, "--wait=true")
+        for (kind, name), before in old.items():
+            wait_until(lambda k=kind, n=name, b=before: uid(k, n) not in (None, b),
+                       f"{kind}/{name} recreated", 60)  # fmt: skip
+        events = get_json(cp, "-n", namespace, "events", "--field-selector",
+                          "involvedObject.kind=LLMService,involvedObject.name=tiny")  # fmt: skip
+        repaired = " ".join(e["message"] for e in events["items"]
+                            if e["reason"] == "DriftRepaired")  # fmt: skip
+        assert f"Deployment {namespace}/tiny-decode" in repaired, repaired
+        assert f"Service {namespace}/tiny-router" in repaired, repaired
+        wait_until(lambda: is_ready(get_json(cp, "-n", namespace, "llmservice", "tiny")),
+                   "tiny Ready again", 180)  # fmt: skip
+        # Deleting the LLMService itself (its children go with it) recreates nothing.
+        cp.kubectl("delete", "-n", namespace, "llmservice", "tiny", "--wait=true")
+        wait_until(lambda: uid("deployment", "tiny-decode") is None, "children collected", 60)
+        time.sleep(2)  # a repair would be a create right after the deletion
+        assert uid("deployment", "tiny-decode") is None and uid("service", "tiny-router") is None
+    finally:
+        cp.kubectl("delete", "llmservices", "--all", "-n", namespace, "--wait=true",
+                   check=False)  # fmt: skip
+        op.stop()
 
 
 def test_a_missing_peering_object_is_named_at_startup(
