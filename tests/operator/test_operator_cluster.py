@@ -335,6 +335,33 @@ INVALID: list[tuple[str, Any, str]] = [
         "spec.model.volume",
     ),
     (
+        "requests above limits",
+        {
+            "decode": {
+                "resources": {
+                    "requests": {"memory": "2Gi", "cpu": "500m"},
+                    "limits": {"memory": "1536Mi", "cpu": 1},
+                }
+            }
+        },
+        "spec.decode.resources: Invalid value",
+    ),  # fmt: skip
+    (
+        "annotation key with a space",
+        {"prefill": {"podAnnotations": {"team name": "a"}}},
+        "spec.prefill.podAnnotations: Invalid value",
+    ),
+    (
+        "annotation key name over 63 characters",
+        {"prefill": {"podAnnotations": {"example.com/" + "a" * 64: "a"}}},
+        "spec.prefill.podAnnotations: Invalid value",
+    ),
+    (
+        "node selector value with a slash",
+        {"decode": {"nodeSelector": {"pool": "gpu/a100"}}},
+        "spec.decode.nodeSelector: Invalid value",
+    ),
+    (
         "model path beside the mount",
         {
             "model": {
@@ -385,6 +412,27 @@ def test_model_path_at_or_under_the_mount_is_accepted(
 ) -> None:
     obj = yaml.safe_load(TINY)
     obj["spec"]["model"].update(path=path, mountPath=mount_path)
+    proc = control_plane.kubectl(
+        "create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj),
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_resources_annotations_and_node_selectors_that_kubernetes_takes_are_accepted(
+    control_plane: Any, cluster_release: Any, namespace: str
+) -> None:
+    # The CEL rules refuse only what the pods themselves would be refused for.
+    obj = yaml.safe_load(TINY)
+    obj["spec"]["decode"].update(
+        resources={
+            "requests": {"cpu": "500m", "memory": "1Gi", "nvidia.com/gpu": 1},
+            "limits": {"cpu": 1, "memory": "1024Mi", "nvidia.com/gpu": "1"},
+        },
+        nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": ""},
+        podAnnotations={"prometheus.io/scrape": "true", "team": "inference a/b"},
+    )
+    obj["spec"]["prefill"]["resources"] = {"requests": {"cpu": 2}}  # requests without limits
     proc = control_plane.kubectl(
         "create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj),
         check=False,
