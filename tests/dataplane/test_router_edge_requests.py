@@ -1,25 +1,27 @@
 """Router requests at the edge of the OpenAI API: `GET /v1/models/{id}` (the openai client's
 `models.retrieve`), a body that does not match its Content-Encoding, booleans where a neutral
-number is expected, and `max_tokens` next to `max_completion_tokens`. Each is a 4xx naming the
-field (or a 200), never a 500. The HTTP cases run the real aiohttp app in-process without
-workers: none of them reaches a worker."""
+number is expected, `max_tokens` next to `max_completion_tokens`, and HTTP that aiohttp refuses
+before any route runs (a header over its size limit, a garbled request line). Each is a 4xx
+naming the field or the fault in the API's JSON shape (or a 200), never a 500. The HTTP cases
+run the real aiohttp app in-process without workers: none of them reaches a worker."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from splitserve_workers.router import openai_api as api
-from splitserve_workers.router.app import Router, RouterOptions, load_tokenizer
+from splitserve_workers.router.app import AppRunner, Router, RouterOptions, load_tokenizer
 from splitserve_workers.router.discovery import StaticDiscovery
 
 
-@pytest.fixture
-async def client(tiny_model: Path) -> AsyncIterator[TestClient]:
+def router_on_nothing(tiny_model: Path) -> Router:
     options = RouterOptions(
         model_name="tiny",
         model_dir=str(tiny_model),
@@ -28,9 +30,63 @@ async def client(tiny_model: Path) -> AsyncIterator[TestClient]:
         discovery=StaticDiscovery(["127.0.0.1:9"], ["127.0.0.1:9"], []),
         poll_interval=5.0,
     )
-    router = Router(options, load_tokenizer(str(tiny_model)))
-    async with TestClient(TestServer(router.app())) as c:
+    return Router(options, load_tokenizer(str(tiny_model)))
+
+
+@pytest.fixture
+async def client(tiny_model: Path) -> AsyncIterator[TestClient]:
+    async with TestClient(TestServer(router_on_nothing(tiny_model).app())) as c:
         yield c
+
+
+async def raw_exchange(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send `request` as-is on a fresh connection; (status, headers, body) of the answer, read
+    until the server closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 30)  # the error answer closes the connection
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+@pytest.mark.parametrize(
+    ("case", "request_bytes", "words"),
+    [
+        (
+            "header over the size limit",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n",
+            "header",
+        ),
+        ("garbled request line", b"HELLO THERE\r\n\r\n", "bad http request"),
+    ],
+)
+async def test_http_refused_before_routing_gets_a_json_error(
+    tiny_model: Path, case: str, request_bytes: bytes, words: str
+) -> None:
+    # The router's own runner (what `splitserve router` serves with), on a real socket.
+    runner = AppRunner(router_on_nothing(tiny_model).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        status, headers, body = await raw_exchange(port, request_bytes)
+        assert status == 400, (case, body)
+        assert headers["content-type"].startswith("application/json"), headers
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "bad_http_request"
+        assert words in error["message"].lower(), error
+        # The server is fine afterwards: a well-formed request on a new connection is answered.
+        status, _, body = await raw_exchange(
+            port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny"
+    finally:
+        await runner.cleanup()
 
 
 async def test_models_retrieve_by_id(client: TestClient) -> None:

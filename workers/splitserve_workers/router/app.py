@@ -17,10 +17,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from splitserve_workers.config import ConfigError, ServingConfig
@@ -672,9 +676,58 @@ class ListenError(Exception):
     """The router's port cannot be bound."""
 
 
+class _OpenAIErrorHandler(RequestHandler):
+    """aiohttp's per-connection protocol, answering what it refuses before any route runs (an
+    unparseable request line, a header over aiohttp's size limit, bad chunked framing) with an
+    OpenAI-style JSON error body instead of text/plain. A client's malformed request is logged
+    at INFO, not as an ERROR with a traceback."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            super().handle_error(request, status, exc, message)  # logs; its text body is dropped
+            err = api.APIError(status, HTTPStatus(status).phrase, code="internal_error")
+        else:
+            if request.writer.output_size > 0:
+                raise ConnectionError("response already started; cannot send the error")
+            if isinstance(exc, LineTooLong):  # its own text echoes the whole oversized line
+                why = f"the request line or a header is longer than {exc.args[1]} bytes"
+            else:
+                why = (message or (str(exc) if exc else "") or HTTPStatus(status).phrase)[:200]
+            log.info("bad HTTP request from %s: %s", request.remote, why)
+            err = api.APIError(status, f"bad HTTP request: {why}", code="bad_http_request")
+        response = web.json_response(err.body(), status=status)
+        response.force_close()
+        return response
+
+
+class _OpenAIErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class AppRunner(web.AppRunner):
+    """web.AppRunner whose connections answer protocol-level errors in the API's shape."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        return _OpenAIErrorServer(
+            server.request_handler,
+            request_factory=server.request_factory,
+            handler_cancellation=server.handler_cancellation,
+            loop=asyncio.get_running_loop(),
+            **server._kwargs,
+        )
+
+
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT (or `stop`), then drains in-flight requests."""
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    runner = AppRunner(router.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
