@@ -43,6 +43,7 @@ class Operator:
         self.config = config
         self._monitoring: tuple[float, bool] | None = None
         self._lock = threading.Lock()
+        self._reconciling: dict[tuple[str, str], threading.RLock] = {}
 
     def monitoring_available(self) -> bool:
         if self.config.monitoring == "off":
@@ -55,7 +56,18 @@ class Operator:
             self._monitoring = (time.monotonic(), found)
         return found
 
+    def _serialized(self, namespace: str, name: str) -> threading.RLock:
+        """One lock per LLMService: kopf serializes its own handlers per object, but a repair
+        runs in the handler of a child, so it must not interleave with them."""
+        with self._lock:
+            return self._reconciling.setdefault((namespace, name), threading.RLock())
+
     def reconcile(self, body: kopf.Body, logger: logging.Logger | kopf.Logger, why: str) -> None:
+        meta = body.meta
+        with self._serialized(meta["namespace"], meta["name"]):
+            self._reconcile(body, logger, why)
+
+    def _reconcile(self, body: kopf.Body, logger: logging.Logger | kopf.Logger, why: str) -> None:
         meta = body.meta
         name, namespace = meta["name"], meta["namespace"]
         generation = int(meta.get("generation") or 0)
@@ -90,19 +102,26 @@ class Operator:
             )
         self.write_status(namespace, name, applied_generation=generation)
 
-    def repair(self, namespace: str, service: str, logger: logging.Logger | kopf.Logger) -> None:
-        """A child was deleted: reconcile its LLMService now instead of at the next resync
-        (the resync stays the backstop). Nothing to do while the LLMService itself is going
-        away, since then the garbage collector is what deletes its children."""
+    def repair(
+        self, namespace: str, service: str, uid: str, logger: logging.Logger | kopf.Logger
+    ) -> None:
+        """A child of LLMService `service` (uid `uid`) was deleted: reconcile that LLMService
+        now instead of at the next resync (the resync stays the backstop). It is read under its
+        lock, so a user's update applied meanwhile is what gets applied, never an older spec.
+        Nothing to do when it is going away or is gone (the garbage collector deletes its
+        children) or was replaced by a namesake (its own create handler builds its children)."""
         ref = Ref(f"{GROUP}/{VERSION}", "LLMService", namespace, service)
-        body = self.kube.get(ref)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return
-        try:
-            self.reconcile(kopf.Body(cast(kopf.RawBody, body)), logger, why="child-deleted")
-        except (kopf.PermanentError, kopf.TemporaryError) as e:
-            # Already in status and Events; the resync retries.
-            logger.warning(f"repairing {namespace}/{service}: {e}")
+        with self._serialized(namespace, service):
+            try:
+                body = self.kube.get(ref)
+                meta = (body or {}).get("metadata") or {}
+                if body is None or meta.get("deletionTimestamp") or meta.get("uid") != uid:
+                    return
+                self._reconcile(kopf.Body(cast(kopf.RawBody, body)), logger, why="child-deleted")
+            except (kopf.PermanentError, kopf.TemporaryError, KubeError) as e:
+                # Said in status and Events where it could be; the resync retries either way
+                # (an event handler's error is never retried by kopf).
+                logger.warning(f"repairing {namespace}/{service}: {e}")
 
     def pool_trouble(
         self, namespace: str, service: str, deployments: dict[str, dict[str, Any] | None]
@@ -190,10 +209,11 @@ class Operator:
                     raise
 
 
-def owner_service(body: kopf.Body) -> str | None:
+def owner_service(body: kopf.Body) -> tuple[str, str] | None:
+    """(name, uid) of the LLMService that owns this child, if any."""
     for ref in body.meta.get("ownerReferences") or []:
         if ref.get("kind") == "LLMService" and ref.get("apiVersion", "").startswith(GROUP + "/"):
-            return str(ref.get("name"))
+            return str(ref.get("name")), str(ref.get("uid"))
     return None
 
 
@@ -213,11 +233,12 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
     def on_child(
         body: kopf.Body, namespace: str | None, type: str | None, logger: kopf.Logger, **_: Any
     ) -> None:
-        service = owner_service(body)
-        if not (service and namespace):
+        owner = owner_service(body)
+        if not (owner and namespace):
             return
+        service, uid = owner
         if type == "DELETED":
-            operator.repair(namespace, service, logger)
+            operator.repair(namespace, service, uid, logger)
         elif body.get("kind") == "Deployment":
             operator.write_status(namespace, service)  # pods became (un)ready
 

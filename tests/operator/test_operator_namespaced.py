@@ -93,20 +93,24 @@ def test_a_deleted_deployment_or_service_is_recreated_by_the_watch_not_the_resyn
             obj = get_json(cp, "-n", namespace, kind, name)
             return obj["metadata"]["uid"] if obj else None
 
-        old = {("deployment", "tiny-decode"): uid("deployment", "tiny-decode"),
-               ("service", "tiny-router"): uid("service", "tiny-router")}  # fmt: skip
-        assert all(old.values())
-        for kind, name in old:
+        def repaired() -> str:
+            about_tiny = "involvedObject.kind=LLMService,involvedObject.name=tiny"
+            events = get_json(cp, "-n", namespace, "events", "--field-selector", about_tiny)
+            return " ".join(e["message"] for e in events["items"]
+                            if e["reason"] == "DriftRepaired")  # fmt: skip
+
+        # One at a time, so each comes back through its own watch (the repair of a Deployment
+        # would also recreate a Service deleted alongside it).
+        for kind, name, shown in (("service", "tiny-router", "Service"),
+                                  ("deployment", "tiny-decode", "Deployment")):  # fmt: skip
+            before = uid(kind, name)
+            assert before
             cp.kubectl("delete", "-n", namespace, kind, name, "--wait=true")
-        for (kind, name), before in old.items():
             wait_until(lambda k=kind, n=name, b=before: uid(k, n) not in (None, b),
                        f"{kind}/{name} recreated", 60)  # fmt: skip
-        events = get_json(cp, "-n", namespace, "events", "--field-selector",
-                          "involvedObject.kind=LLMService,involvedObject.name=tiny")  # fmt: skip
-        repaired = " ".join(e["message"] for e in events["items"]
-                            if e["reason"] == "DriftRepaired")  # fmt: skip
-        assert f"Deployment {namespace}/tiny-decode" in repaired, repaired
-        assert f"Service {namespace}/tiny-router" in repaired, repaired
+            # Events are posted asynchronously: wait for this one too.
+            wait_until(lambda s=shown, n=name: f"recreated {s} {namespace}/{n}" in repaired(),
+                       f"DriftRepaired Event for {kind}/{name}", 60)  # fmt: skip
         wait_until(lambda: is_ready(get_json(cp, "-n", namespace, "llmservice", "tiny")),
                    "tiny Ready again", 180)  # fmt: skip
         # Deleting the LLMService itself (its children go with it) recreates nothing.
