@@ -347,6 +347,25 @@ INVALID: list[tuple[str, Any, str]] = [
         "spec.decode.resources: Invalid value",
     ),  # fmt: skip
     (
+        "GPU request without a limit",
+        {"decode": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
+        "spec.decode.resources: Invalid value",
+    ),
+    (
+        "GPU request below its limit",
+        {
+            "decode": {
+                "resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 2}}
+            }
+        },
+        "spec.decode.resources: Invalid value",
+    ),
+    (
+        "annotation key prefix over 253 characters",
+        {"prefill": {"podAnnotations": {"a" * 254 + "/x": "a"}}},
+        "spec.prefill.podAnnotations: Invalid value",
+    ),
+    (
         "annotation key with a space",
         {"prefill": {"podAnnotations": {"team name": "a"}}},
         "spec.prefill.podAnnotations: Invalid value",
@@ -430,7 +449,8 @@ def test_resources_annotations_and_node_selectors_that_kubernetes_takes_are_acce
             "limits": {"cpu": 1, "memory": "1024Mi", "nvidia.com/gpu": "1"},
         },
         nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": ""},
-        podAnnotations={"prometheus.io/scrape": "true", "team": "inference a/b"},
+        # Annotation keys are checked case-insensitively, as the API server does for pods.
+        podAnnotations={"prometheus.io/scrape": "true", "Example.COM/Team": "inference a/b"},
     )
     obj["spec"]["prefill"]["resources"] = {"requests": {"cpu": 2}}  # requests without limits
     proc = control_plane.kubectl(
