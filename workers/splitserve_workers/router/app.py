@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import LineTooLong
+from aiohttp.http_exceptions import BadHttpMethod, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -680,7 +680,8 @@ class _OpenAIErrorHandler(RequestHandler):
     """aiohttp's per-connection protocol, answering what it refuses before any route runs (an
     unparseable request line, a header over aiohttp's size limit, bad chunked framing) with an
     OpenAI-style JSON error body instead of text/plain. A client's malformed request is logged
-    at INFO, not as an ERROR with a traceback."""
+    at INFO (a bad method, which TLS or scanner traffic produces, at DEBUG), not as an ERROR
+    with a traceback."""
 
     def handle_error(
         self,
@@ -698,8 +699,11 @@ class _OpenAIErrorHandler(RequestHandler):
             if isinstance(exc, LineTooLong):  # its own text echoes the whole oversized line
                 why = f"the request line or a header is longer than {exc.args[1]} bytes"
             else:
-                why = (message or (str(exc) if exc else "") or HTTPStatus(status).phrase)[:200]
-            log.info("bad HTTP request from %s: %s", request.remote, why)
+                why = message or (str(exc) if exc else "") or HTTPStatus(status).phrase
+                why = " ".join(why.split())[:200]  # the C parser's text spans several lines
+            # TLS or scanner traffic on the plain port shows up as a bad method: routine noise.
+            level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.INFO
+            log.log(level, "bad HTTP request from %s: %s", request.remote, why)
             err = api.APIError(status, f"bad HTTP request: {why}", code="bad_http_request")
         response = web.json_response(err.body(), status=status)
         response.force_close()
