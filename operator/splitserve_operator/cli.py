@@ -16,6 +16,7 @@ import kopf
 from .config import OperatorConfig
 from .handlers import Operator, register
 from .kube import Kube, KubeError, NoCredentialsError, load_api_client
+from .names import MANAGED_BY
 
 KOPF_PREFIX = "kopf.splitserve.io"
 
@@ -132,6 +133,11 @@ def settings_for(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.peering.stealth = True
+    # The API server filters the children's watches (Deployments, Services) to ours, so the
+    # operator is not sent every Deployment and Service in the watched namespaces.
+    managed = f"app.kubernetes.io/managed-by={MANAGED_BY}"
+    settings.watching.label_selectors["apps", "deployments"] = managed
+    settings.watching.label_selectors["v1", "services"] = managed
     if args.workers:
         settings.execution.max_workers = args.workers
     return settings

@@ -1,12 +1,16 @@
 """`splitserve operator` with an out-of-range flag exits 2 naming it, before kopf or the
-Kubernetes client start, and without cluster credentials exits 1 with one line (no cluster
-needed)."""
+Kubernetes client start, and without cluster credentials exits 1 with one line; the kopf
+settings it builds (no cluster needed)."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
+import kopf
 import pytest
+from splitserve_operator import GROUP, cli
+from splitserve_operator.names import MANAGED_BY
 from splitserve_workers.cli import main
 
 
@@ -40,3 +44,22 @@ def test_no_credentials_is_one_line_not_a_traceback(
     err = capsys.readouterr().err
     assert err.startswith("splitserve operator: no cluster credentials: "), err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_children_watches_are_filtered_by_the_api_server() -> None:
+    # kopf passes these as labelSelector on its list and watch calls: the API server sends only
+    # our Deployments and Services, not every one in the watched namespaces. (The cluster tests
+    # show the filtered watches still see every child: status and repairs depend on them.)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    settings = cli.settings_for(parser.parse_args(["--all-namespaces"]))
+
+    def selectors(group: str, plural: str) -> list[str]:
+        resource = kopf.Resource(group, "v1", plural)
+        return list(settings.watching.label_selectors.collect(resource))
+
+    ours = [f"app.kubernetes.io/managed-by={MANAGED_BY}"]
+    assert selectors("apps", "deployments") == ours
+    assert selectors("", "services") == ours
+    # Nothing else is narrowed: LLMServices and pods are read whatever their labels.
+    assert selectors("", "pods") == [] and selectors(GROUP, "llmservices") == []
