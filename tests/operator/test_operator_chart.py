@@ -5,8 +5,10 @@ manifests/ kept equal to the chart's output."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +228,15 @@ def test_names_that_yaml_reads_as_booleans_stay_strings(helm: Path) -> None:
     (dep,) = by_kind(docs, "Deployment")
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "yes"
     assert {d["metadata"]["namespace"] for d in by_kind(docs, "KopfPeering")} == {"no", "off"}
+
+
+def test_operator_image_installs_the_dependency_floors_of_pyproject() -> None:
+    # The operator image installs its few dependencies by hand (no torch); their floors must be
+    # the package's own, or the image can get a kopf without the features the operator uses.
+    deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {m[1]: m[2] for d in deps if (m := re.fullmatch(r"([A-Za-z0-9_.-]+)(>=.+)", d))}
+    dockerfile = (REPO_ROOT / "Dockerfile.operator").read_text()
+    installed = re.findall(r'"([A-Za-z0-9_.-]+)(>=[^"]+)"', dockerfile)
+    assert {name for name, _ in installed} >= {"kopf", "kubernetes"}
+    for name, floor in installed:
+        assert floors.get(name) == floor, (name, floor, floors.get(name))
