@@ -131,11 +131,12 @@ def pool_settled(state: PoolState) -> bool:
 
 
 def condition(
-    kind: str, status: bool, reason: str, message: str, generation: int
+    kind: str, status: bool | None, reason: str, message: str, generation: int
 ) -> dict[str, Any]:
+    """A metav1.Condition; status None is "Unknown"."""
     return {
         "type": kind,
-        "status": "True" if status else "False",
+        "status": "Unknown" if status is None else "True" if status else "False",
         "reason": reason,
         "message": message,
         "observedGeneration": generation,
@@ -155,6 +156,29 @@ def merge_conditions(
             stamp = now
         merged.append({**cond, "lastTransitionTime": stamp})
     return merged
+
+
+def autoscaling_condition(service: str, mode: str) -> tuple[bool | None, str, str]:
+    """Who sizes the prefill and decode pools, so `kubectl describe` answers "why did it not
+    scale": the operator (Off), an HPA the user makes (HPA), or nobody yet (Builtin: the
+    built-in autoscaler is not built)."""
+    pools = f"{service}-prefill and {service}-decode"
+    if mode == "Off":
+        return False, "Off", "autoscaling.mode is Off: the operator keeps spec.<pool>.replicas"
+    if mode == "HPA":
+        return (
+            None,
+            "ExternalAutoscaler",
+            f"replicas of {pools} are left to a HorizontalPodAutoscaler you create; "
+            "the operator sets them only at creation",
+        )
+    return (
+        False,
+        "NotImplemented",
+        f"the built-in autoscaler is not built yet: replicas of {pools} stay as set at "
+        "creation (or by kubectl scale); use mode HPA with your own HorizontalPodAutoscaler, "
+        "or mode Off",
+    )
 
 
 def compute_status(
@@ -227,6 +251,11 @@ def compute_status(
         condition("Ready", *ready, generation=observed_generation),
         condition("Progressing", *progressing, generation=observed_generation),
         condition("Degraded", *degraded, generation=observed_generation),
+        condition(
+            "Autoscaling",
+            *autoscaling_condition(service, spec.autoscaling_mode),
+            generation=observed_generation,
+        ),  # fmt: skip
     ]
     port = spec.router.settings["port"]
     status: dict[str, Any] = {

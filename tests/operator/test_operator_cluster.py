@@ -268,6 +268,9 @@ def test_hpa_mode_leaves_replicas_to_the_autoscaler(
     ready = wait_ready(cp, namespace, "tiny")
     assert deployment(cp, namespace, "tiny-decode")["spec"]["replicas"] == 5  # type: ignore
     assert ready["status"]["decode"]["desiredReplicas"] == 5
+    # The status schema takes the Unknown condition the operator writes for an outside HPA.
+    autoscaling = conditions(ready)["Autoscaling"]
+    assert (autoscaling["status"], autoscaling["reason"]) == ("Unknown", "ExternalAutoscaler")
 
 
 def test_restart_mid_reconcile_converges_without_duplicates(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from splitserve_operator.spec import parse_spec
 from splitserve_operator.status import compute_status, merge_conditions, pod_trouble
 
@@ -137,7 +138,7 @@ def test_degraded_on_stuck_rollout_or_error() -> None:
 def test_transition_time_moves_only_when_status_changes() -> None:
     first = status(ALL_READY, now="2025-01-01T00:00:00Z")
     again = status(ALL_READY, previous=first["conditions"], now="2025-01-01T00:05:00Z")
-    assert [c["lastTransitionTime"] for c in again["conditions"]] == ["2025-01-01T00:00:00Z"] * 3
+    assert [c["lastTransitionTime"] for c in again["conditions"]] == ["2025-01-01T00:00:00Z"] * 4
     rolling = {**ALL_READY, "decode": deployment(3, 2)}
     later = status(rolling, previous=again["conditions"], now="2025-01-01T00:09:00Z")
     c = conds(later)
@@ -264,3 +265,31 @@ def test_ready_message_says_why_pods_are_not_running() -> None:
     # Only pools that are not ready are explained.
     c = conds(status(ALL_READY, trouble={"decode": why}))
     assert c["Ready"]["status"] == "True" and why not in c["Ready"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "status_", "reason", "words"),
+    [
+        ("Off", "False", "Off", "the operator keeps spec.<pool>.replicas"),
+        ("HPA", "Unknown", "ExternalAutoscaler", "chat-prefill and chat-decode"),
+        ("Builtin", "False", "NotImplemented", "not built yet"),
+    ],
+)
+def test_autoscaling_condition_says_who_sizes_the_pools(
+    mode: str, status_: str, reason: str, words: str
+) -> None:
+    # `kubectl describe` must answer "why did it not scale", Builtin above all: its autoscaler
+    # does not exist yet, and an LLMService in that mode otherwise looks like it is autoscaled.
+    bounds = {"minReplicas": 1, "maxReplicas": 8}
+    spec = parse_spec(
+        {
+            "model": {"name": "m", "path": "/models/m"},
+            "prefill": {"replicas": 2, "autoscaling": bounds},
+            "decode": {"replicas": 3, "autoscaling": bounds},
+            "autoscaling": {"mode": mode},
+        }
+    )
+    c = conds(status(ALL_READY, spec=spec))["Autoscaling"]
+    assert (c["status"], c["reason"]) == (status_, reason)
+    assert words in c["message"]
+    assert c["observedGeneration"] == 4
