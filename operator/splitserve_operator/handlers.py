@@ -114,8 +114,10 @@ class Operator:
         with self._serialized(namespace, service):
             try:
                 body = self.kube.get(ref)
-                meta = (body or {}).get("metadata") or {}
-                if body is None or meta.get("deletionTimestamp") or meta.get("uid") != uid:
+                if body is None:
+                    return
+                meta = body["metadata"]
+                if meta.get("deletionTimestamp") or meta.get("uid") != uid:
                     return
                 self._reconcile(kopf.Body(cast(kopf.RawBody, body)), logger, why="child-deleted")
             except (kopf.PermanentError, kopf.TemporaryError, KubeError) as e:

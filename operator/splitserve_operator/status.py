@@ -255,7 +255,7 @@ def compute_status(
             "Autoscaling",
             *autoscaling_condition(service, spec.autoscaling_mode),
             generation=observed_generation,
-        ),  # fmt: skip
+        ),
     ]
     port = spec.router.settings["port"]
     status: dict[str, Any] = {
