@@ -57,8 +57,12 @@ def prometheus() -> Iterator[Callable[..., Prometheus]]:
     `.url`, `.query(promql)` and `.wait_for(promql, predicate)`; stopped after the test."""
     started: list[Prometheus] = []
 
-    def start(targets: list[str], scrape_interval: str = "1s") -> Prometheus:
-        prom = Prometheus(targets, scrape_interval)
+    def start(
+        targets: list[str],
+        scrape_interval: str = "1s",
+        labels: dict[str, dict[str, str]] | None = None,
+    ) -> Prometheus:
+        prom = Prometheus(targets, scrape_interval, labels)
         started.append(prom)
         return prom
 

@@ -30,7 +30,14 @@ PROMETHEUS_BIN = (
 class Prometheus:
     """A running Prometheus server with a generated config; query it over the HTTP API."""
 
-    def __init__(self, targets: list[str], scrape_interval: str = "1s") -> None:
+    def __init__(
+        self,
+        targets: list[str],
+        scrape_interval: str = "1s",
+        labels: dict[str, dict[str, str]] | None = None,
+    ) -> None:
+        """labels: per target, labels the scrape adds to its series (as kubernetes_sd
+        relabelling adds namespace and pod)."""
         if not targets:
             raise ValueError("targets must name at least one host:port to scrape")
         for t in targets:
@@ -47,7 +54,14 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-            "scrape_configs": [{"job_name": "test", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [
+                {
+                    "job_name": "test",
+                    "static_configs": [
+                        {"targets": [t], "labels": (labels or {}).get(t, {})} for t in targets
+                    ],
+                }
+            ],
         }
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = self.dir / "prometheus.log"

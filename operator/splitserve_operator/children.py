@@ -150,7 +150,11 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
             ),
             "spec": {
                 "selector": {"matchLabels": selector_labels(service, "router")},
-                "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+                # honorLabels: the series keep our `service` label (the LLMService) instead of
+                # having it renamed to exported_service by the target's `service` (the Service).
+                "endpoints": [
+                    {"port": "http", "path": "/metrics", "interval": interval, "honorLabels": True}
+                ],
             },
         },
         {
@@ -172,7 +176,12 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
                     ],
                 },
                 "podMetricsEndpoints": [
-                    {"port": "metrics", "path": "/metrics", "interval": interval}
+                    {
+                        "port": "metrics",
+                        "path": "/metrics",
+                        "interval": interval,
+                        "honorLabels": True,
+                    }
                 ],
             },
         },

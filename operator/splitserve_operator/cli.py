@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: create ServiceMonitor/PodMonitor where monitoring.coreos.com is served",
     )
     parser.add_argument(
+        "--prometheus-url",
+        default=os.environ.get("SPLITSERVE_PROMETHEUS_URL", ""),
+        help="Prometheus the built-in autoscaler reads when an LLMService sets no "
+        "spec.autoscaling.metrics.prometheus.url (env SPLITSERVE_PROMETHEUS_URL)",
+    )
+    parser.add_argument(
         "--peering",
         default="splitserve",
         help="kopf peering object name (KopfPeering per namespace, or ClusterKopfPeering)",
@@ -87,6 +93,11 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"resync_seconds: {args.resync_seconds} must be positive"
     if args.workers is not None and args.workers < 1:
         return f"workers: {args.workers} must be at least 1"
+    if args.prometheus_url and urllib.parse.urlsplit(args.prometheus_url).scheme not in (
+        "http",
+        "https",
+    ):
+        return f"prometheus_url: {args.prometheus_url!r} is not an http(s):// URL"
     if args.liveness:
         # kopf serves plain http only and would fail on anything else after startup.
         url = urllib.parse.urlsplit(args.liveness)
@@ -157,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         resync_seconds=args.resync_seconds,
         cluster_domain=args.cluster_domain,
         monitoring=args.monitoring,
+        prometheus_url=args.prometheus_url or None,
     )
     try:
         api_client = load_api_client()

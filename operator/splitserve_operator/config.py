@@ -18,3 +18,5 @@ class OperatorConfig:
     cluster_domain: str = "cluster.local"
     # auto: create ServiceMonitor/PodMonitor when monitoring.coreos.com is served; off: never.
     monitoring: str = "auto"
+    # The built-in autoscaler's Prometheus when an LLMService names none.
+    prometheus_url: str | None = None

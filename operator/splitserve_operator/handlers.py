@@ -2,8 +2,9 @@
 (children.desired_children), apply them (reconcile.apply_children), and write status and Events.
 create/update/resume and a resync timer all run the same level-based reconcile; a watch on the
 children's Deployments refreshes status as soon as pods become ready, and a deleted Deployment or
-Service is recreated as soon as the watch sees it go. register() wires them
-into a registry with the operator's settings."""
+Service is recreated as soon as the watch sees it go. In mode Builtin a daemon per LLMService runs
+the autoscaler (scaling.py). register() wires them into a registry with the operator's
+settings."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .config import OperatorConfig
 from .kube import Kube, KubeError, Ref
 from .names import MANAGED_BY, child_name, selector_labels
 from .reconcile import apply_children
+from .scaling import Scaler, ScalerState
 from .spec import POOLS, Spec, SpecError, parse_spec
 from .status import compute_status, invalid_status, pod_trouble
 
@@ -200,6 +202,7 @@ class Operator:
                     now=now_rfc3339(),
                     error=error,
                     trouble=self.pool_trouble(namespace, service, deployments),
+                    autoscaler=status.get("autoscaler"),
                 )
             if all(status.get(k) == v for k, v in fresh.items()):
                 return
@@ -232,6 +235,31 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         # Children carry owner references: the garbage collector deletes them.
         logger.info("deleted; children are garbage-collected through their owner references")
 
+    scaler = Scaler(
+        operator.kube,
+        operator.config,
+        refresh_status=lambda namespace, name: operator.write_status(namespace, name),
+        emit=lambda body, kind, reason, message: kopf.event(
+            kopf.Body(cast(kopf.RawBody, body)), type=kind, reason=reason, message=message
+        ),
+    )
+
+    def autoscale(stopped: kopf.DaemonStopped, name: str, namespace: str | None,
+                  logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
+        if not namespace:
+            return
+        state = ScalerState()
+        while not stopped:
+            try:
+                wait = scaler.evaluate(namespace, name, state, logger)
+            except Exception as e:  # noqa: BLE001 - one failed evaluation must not end the daemon
+                logger.exception(f"autoscaler evaluation failed: {e}")
+                wait = 15.0
+            stopped.wait(wait)
+
+    def builtin(spec: kopf.Spec, **_: Any) -> bool:
+        return bool((spec.get("autoscaling") or {}).get("mode") == "Builtin")
+
     def on_child(
         body: kopf.Body, namespace: str | None, type: str | None, logger: kopf.Logger, **_: Any
     ) -> None:
@@ -259,6 +287,9 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         interval=operator.config.resync_seconds,
         initial_delay=operator.config.resync_seconds,
     )(on_resync)
+    # Started when an LLMService is (or becomes) mode Builtin, stopped when it leaves it or goes.
+    kopf.daemon(*resource, registry=registry, id="autoscaler", when=builtin,
+                cancellation_timeout=10.0)(autoscale)  # fmt: skip
     # The children whose loss stops serving: a deleted Deployment or Service comes back at
     # once; the rest (ConfigMap, PodDisruptionBudget, monitors) at the next resync.
     managed = {"app.kubernetes.io/managed-by": MANAGED_BY}

@@ -16,6 +16,7 @@ from kubernetes.config.config_exception import ConfigException
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
+    ("v1", "Pod"): "pods",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",

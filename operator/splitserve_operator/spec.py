@@ -128,6 +128,10 @@ class Spec:
     autoscaling_mode: str
     monitoring_enabled: bool
     monitoring_interval: str
+    autoscaling_interval: float = 15.0
+    scale_down_stabilization: float = 300.0
+    gpu_budget: int | None = None
+    prometheus_url: str | None = None
 
     def pool(self, name: str) -> Pool:
         return {"router": self.router, "prefill": self.prefill, "decode": self.decode}[name]
@@ -237,6 +241,10 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
                     f"is {mode}"
                 )
     monitoring = spec.get("monitoring") or {}
+    gpu_budget = None
+    if autoscaling.get("gpuBudget") is not None:
+        gpu_budget = _int(autoscaling, "gpuBudget", 0, "spec.autoscaling")
+    prometheus = (autoscaling.get("metrics") or {}).get("prometheus") or {}
     return Spec(
         model_name=str(model["name"]),
         model_path=str(model["path"]),
@@ -257,4 +265,23 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
         autoscaling_mode=mode,
         monitoring_enabled=bool(monitoring.get("enabled", True)),
         monitoring_interval=str(monitoring.get("interval", "15s")),
+        autoscaling_interval=parse_duration(
+            autoscaling.get("interval", "15s"), "spec.autoscaling.interval"
+        ),
+        scale_down_stabilization=parse_duration(
+            autoscaling.get("scaleDownStabilization", "300s"),
+            "spec.autoscaling.scaleDownStabilization",
+        ),
+        gpu_budget=gpu_budget,
+        prometheus_url=prometheus.get("url") or None,
     )
+
+
+def gpus_per_replica(pool: Pool) -> int:
+    """Accelerators one replica asks for: every extended resource named <vendor>/gpu."""
+    total = 0
+    for section in ("limits", "requests"):
+        for key, value in (pool.resources.get(section) or {}).items():
+            if str(key).endswith("/gpu"):
+                total = max(total, parse_quantity(value, f"spec.{pool.name}.resources.{key}"))
+    return total

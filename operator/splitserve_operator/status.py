@@ -158,10 +158,12 @@ def merge_conditions(
     return merged
 
 
-def autoscaling_condition(service: str, mode: str) -> tuple[bool | None, str, str]:
+def autoscaling_condition(
+    service: str, mode: str, autoscaler: Mapping[str, Any] | None = None
+) -> tuple[bool | None, str, str]:
     """Who sizes the prefill and decode pools, so `kubectl describe` answers "why did it not
-    scale": the operator (Off), an HPA the user makes (HPA), or nobody yet (Builtin: the
-    built-in autoscaler is not built)."""
+    scale": the operator (Off), an HPA the user makes (HPA), or the built-in autoscaler
+    (Builtin), whose own state (status.autoscaler, scaling.py) says whether it can act."""
     pools = f"{service}-prefill and {service}-decode"
     if mode == "Off":
         return False, "Off", "autoscaling.mode is Off: the operator keeps spec.<pool>.replicas"
@@ -172,13 +174,23 @@ def autoscaling_condition(service: str, mode: str) -> tuple[bool | None, str, st
             f"replicas of {pools} are left to a HorizontalPodAutoscaler you create; "
             "the operator sets them only at creation",
         )
-    return (
-        False,
-        "NotImplemented",
-        f"the built-in autoscaler is not built yet: replicas of {pools} stay as set at "
-        "creation (or by kubectl scale); use mode HPA with your own HorizontalPodAutoscaler, "
-        "or mode Off",
-    )
+    state = (autoscaler or {}).get("state")
+    message = str((autoscaler or {}).get("message") or "")
+    if not state:
+        return None, "Starting", "the built-in autoscaler has not evaluated yet"
+    return state == "Active", str(state), message
+
+
+def scaling_limited_condition(autoscaler: Mapping[str, Any] | None) -> tuple[bool, str, str]:
+    """True while a bound (maxReplicas, gpuBudget) holds a pool below what it needs."""
+    limited = []
+    for pool in ("prefill", "decode"):
+        last = ((autoscaler or {}).get(pool) or {}).get("lastDecision") or {}
+        if last.get("verdict") in ("AtMaxReplicas", "GPUBudget"):
+            limited.append((pool, str(last["verdict"]), str(last.get("reason", ""))))
+    if not limited:
+        return False, "WithinLimits", "no pool is held below what the autoscaler wants"
+    return True, limited[0][1], "; ".join(f"{p}: {why}" for p, _, why in limited)
 
 
 def compute_status(
@@ -193,9 +205,11 @@ def compute_status(
     now: str,
     error: str | None = None,
     trouble: Mapping[str, str] | None = None,
+    autoscaler: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole `status` (except kopf's bookkeeping) for one LLMService. trouble: per pool,
-    why its pods are not running (pod_trouble), quoted in the Ready message."""
+    why its pods are not running (pod_trouble), quoted in the Ready message. autoscaler: the
+    built-in autoscaler's status.autoscaler (mode Builtin), for its conditions."""
     trouble = trouble or {}
 
     def why(pool: str) -> str:
@@ -253,10 +267,18 @@ def compute_status(
         condition("Degraded", *degraded, generation=observed_generation),
         condition(
             "Autoscaling",
-            *autoscaling_condition(service, spec.autoscaling_mode),
+            *autoscaling_condition(service, spec.autoscaling_mode, autoscaler),
             generation=observed_generation,
         ),
     ]
+    if spec.autoscaling_mode == "Builtin":
+        current.append(
+            condition(
+                "ScalingLimited",
+                *scaling_limited_condition(autoscaler),
+                generation=observed_generation,
+            )
+        )
     port = spec.router.settings["port"]
     status: dict[str, Any] = {
         "observedGeneration": observed_generation,
@@ -271,6 +293,8 @@ def compute_status(
             "desiredReplicas": state.desired,
             "ready": f"{state.ready}/{state.desired}",
         }
+    if spec.autoscaling_mode != "Builtin" and autoscaler:
+        status["autoscaler"] = None  # a merge patch removes what the autoscaler left
     return status
 
 

@@ -167,6 +167,7 @@ async def test_prefill_checks_compatibility_before_compute(pair, dataplane):
 async def test_colocated_complete_equals_single_engine(
     launch_worker, tiny_model, worker_flags, dataplane, reference_engine, prompts
 ):
+    colo_started = time.monotonic()
     colo = launch_worker("colocated", worker_flags(tiny_model, "--max-batch-tokens", "48"))
     stub = dataplane.colocated(colo.endpoint)
     initial = await dataplane.load(colo.endpoint, "colocated")
@@ -201,6 +202,9 @@ async def test_colocated_complete_equals_single_engine(
         assert family in metrics, family
     prompt_tokens = metric_value(metrics, "splitserve_prompt_tokens_processed_total")
     assert prompt_tokens >= sum(len(p) for p in prompts) - 64  # prefix-cache hits skip some
+    # Time in forward passes: positive after work, and never more than the worker has lived.
+    busy = metric_value(metrics, "splitserve_busy_seconds_total")
+    assert 0 < busy < time.monotonic() - colo_started
 
 
 async def test_cancelled_generate_and_complete_free_blocks(

@@ -59,6 +59,7 @@ def status(
     spec: Any = SPEC,
     error: str | None = None,
     trouble: dict[str, str] | None = None,
+    autoscaler: dict[str, Any] | None = None,
 ) -> dict:
     return compute_status(
         service="chat",
@@ -71,6 +72,7 @@ def status(
         now=now,
         error=error,
         trouble=trouble,
+        autoscaler=autoscaler,
     )
 
 
@@ -267,29 +269,88 @@ def test_ready_message_says_why_pods_are_not_running() -> None:
     assert c["Ready"]["status"] == "True" and why not in c["Ready"]["message"]
 
 
+BOUNDS = {"minReplicas": 1, "maxReplicas": 8}
+
+
+def spec_in(mode: str, **autoscaling: Any) -> Any:
+    return parse_spec(
+        {
+            "model": {"name": "m", "path": "/models/m"},
+            "prefill": {"replicas": 2, "autoscaling": BOUNDS},
+            "decode": {"replicas": 3, "autoscaling": BOUNDS},
+            "autoscaling": {"mode": mode, **autoscaling},
+        }
+    )
+
+
 @pytest.mark.parametrize(
-    ("mode", "status_", "reason", "words"),
+    ("mode", "autoscaler", "status_", "reason", "words"),
     [
-        ("Off", "False", "Off", "the operator keeps spec.<pool>.replicas"),
-        ("HPA", "Unknown", "ExternalAutoscaler", "chat-prefill and chat-decode"),
-        ("Builtin", "False", "NotImplemented", "not built yet"),
+        ("Off", None, "False", "Off", "the operator keeps spec.<pool>.replicas"),
+        ("HPA", None, "Unknown", "ExternalAutoscaler", "chat-prefill and chat-decode"),
+        ("Builtin", None, "Unknown", "Starting", "has not evaluated yet"),
+        (
+            "Builtin",
+            {"state": "Active", "message": "prefill: Steady (...); decode: ScaleUp (...)"},
+            "True",
+            "Active",
+            "decode: ScaleUp",
+        ),
+        (
+            "Builtin",
+            {"state": "MetricsUnavailable", "message": "http://prom:9090: connection refused"},
+            "False",
+            "MetricsUnavailable",
+            "connection refused",
+        ),
     ],
 )
 def test_autoscaling_condition_says_who_sizes_the_pools(
-    mode: str, status_: str, reason: str, words: str
+    mode: str, autoscaler: dict[str, Any] | None, status_: str, reason: str, words: str
 ) -> None:
-    # `kubectl describe` must answer "why did it not scale", Builtin above all: its autoscaler
-    # does not exist yet, and an LLMService in that mode otherwise looks like it is autoscaled.
-    bounds = {"minReplicas": 1, "maxReplicas": 8}
-    spec = parse_spec(
-        {
-            "model": {"name": "m", "path": "/models/m"},
-            "prefill": {"replicas": 2, "autoscaling": bounds},
-            "decode": {"replicas": 3, "autoscaling": bounds},
-            "autoscaling": {"mode": mode},
-        }
-    )
-    c = conds(status(ALL_READY, spec=spec))["Autoscaling"]
+    # `kubectl describe` must answer "why did it not scale": who owns replicas and, for the
+    # built-in autoscaler, whether it can read its metrics and what it decided.
+    st = status(ALL_READY, spec=spec_in(mode), autoscaler=autoscaler)
+    c = conds(st)["Autoscaling"]
     assert (c["status"], c["reason"]) == (status_, reason)
     assert words in c["message"]
     assert c["observedGeneration"] == 4
+    assert ("ScalingLimited" in conds(st)) == (mode == "Builtin")
+
+
+def test_scaling_limited_names_the_bound() -> None:
+    limited = {
+        "state": "Active",
+        "message": "...",
+        "decode": {
+            "lastDecision": {"verdict": "AtMaxReplicas", "reason": "TPOT ...; maxReplicas 8"}
+        },
+    }
+    c = conds(status(ALL_READY, spec=spec_in("Builtin"), autoscaler=limited))["ScalingLimited"]
+    assert (c["status"], c["reason"]) == ("True", "AtMaxReplicas")
+    assert c["message"] == "decode: TPOT ...; maxReplicas 8"
+    free = {"state": "Active", "decode": {"lastDecision": {"verdict": "ScaleUp"}}}
+    c = conds(status(ALL_READY, spec=spec_in("Builtin"), autoscaler=free))["ScalingLimited"]
+    assert (c["status"], c["reason"]) == ("False", "WithinLimits")
+
+
+def test_leaving_builtin_clears_the_autoscaler_status() -> None:
+    left = {"state": "Active", "decode": {"lastDecision": {"verdict": "ScaleUp"}}}
+    assert status(ALL_READY, spec=spec_in("Off"), autoscaler=left)["autoscaler"] is None
+    assert "autoscaler" not in status(ALL_READY, spec=spec_in("Off"))
+    assert "autoscaler" not in status(ALL_READY, spec=spec_in("Builtin"), autoscaler=left)
+
+
+def test_autoscaling_fields_parse() -> None:
+    spec = spec_in(
+        "Builtin",
+        interval="5s",
+        scaleDownStabilization="2m",
+        gpuBudget=12,
+        metrics={"prometheus": {"url": "http://prom.monitoring:9090"}},
+    )
+    assert (spec.autoscaling_interval, spec.scale_down_stabilization) == (5.0, 120.0)
+    assert (spec.gpu_budget, spec.prometheus_url) == (12, "http://prom.monitoring:9090")
+    defaults = spec_in("Builtin")
+    assert (defaults.autoscaling_interval, defaults.scale_down_stabilization) == (15.0, 300.0)
+    assert (defaults.gpu_budget, defaults.prometheus_url) == (None, None)

@@ -39,7 +39,7 @@ class WorkerMetricsUpdater:
         self.m: WorkerMetrics = worker_metrics(registry)
         self.labels = {"service": service, "pool": pool, "model": model}
         self._lock = threading.Lock()
-        self._last_totals: dict[str, int] = {}
+        self._last_totals: dict[str, float] = {}
         # Touch every labelled child so the families exist (at 0) before the first request.
         for metric in (
             self.m.requests_running,
@@ -56,6 +56,7 @@ class WorkerMetricsUpdater:
             self.m.prompt_tokens_processed,
             self.m.generation_tokens_processed,
             self.m.draining,
+            self.m.busy_seconds,
         ):
             metric.labels(**self.labels)
 
@@ -69,7 +70,7 @@ class WorkerMetricsUpdater:
     def rejected(self, reason: str) -> None:
         self.m.requests_rejected.labels(**self.labels, reason=reason).inc()
 
-    def _delta(self, name: str, total: int) -> int:
+    def _delta(self, name: str, total: float) -> float:
         # The engine reports cumulative totals; Prometheus counters want increments.
         prev = self._last_totals.get(name)
         self._last_totals[name] = total
@@ -99,6 +100,7 @@ class WorkerMetricsUpdater:
             m.prefix_cache_queries.labels(**lb).inc(
                 self._delta("queries", s.prefix_cache_queries_total)
             )
+            m.busy_seconds.labels(**lb).inc(self._delta("busy", s.busy_seconds_total))
 
 
 # Probes and scrapes send a GET with a few short headers and no body, so the limits are small:

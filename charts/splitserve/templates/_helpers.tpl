@@ -60,10 +60,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
-# Read-only: why a pool's pods are not running (unschedulable, image pull), for its status.
+# list: why a pool's pods are not running (unschedulable, image pull), for its status.
+# patch: the built-in autoscaler's pod-deletion-cost before a scale-down (idlest pods go first).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, replace
 
@@ -66,6 +67,8 @@ class IterationStats:
     prefix_cache_hits_total: int = 0  # blocks
     prefix_cache_queries_total: int = 0  # blocks
     queued_prefill_tokens: int = 0
+    # Seconds spent in forward passes and sampling since start (the autoscaler's utilization).
+    busy_seconds_total: float = 0.0
 
 
 @dataclass
@@ -130,6 +133,7 @@ class LLMEngine:
         self._reservations: dict[str, _Reservation] = {}
         self._outputs: list[TokenOutput] = []  # produced outside step(): aborts, early finishes
         self._stats = IterationStats(total_blocks=self.num_kv_blocks)
+        self._busy_seconds_total = 0.0
         self._max_stop_tokens: dict[str, int] = {}
 
     # ---- facts -------------------------------------------------------------------------------
@@ -162,6 +166,7 @@ class LLMEngine:
             preemptions_total=self.scheduler.preemptions_total,
             prefix_cache_hits_total=bm.prefix_cache_hits_total,
             prefix_cache_queries_total=bm.prefix_cache_queries_total,
+            busy_seconds_total=self._busy_seconds_total,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens()
             + sum(s.num_tokens for s in self._pending_add),
         )
@@ -289,6 +294,7 @@ class LLMEngine:
             seqs, counts = batch.seqs, batch.num_new_tokens
 
         # Forward pass and sampling without the lock: other threads only queue work meanwhile.
+        started = time.perf_counter()
         try:
             if batch.is_prefill:
                 logits, done = self.model_runner.run_prefill(seqs, counts)
@@ -307,6 +313,7 @@ class LLMEngine:
             # A failed pass fails its batch, not the engine: answer and free those requests.
             log.exception("forward pass failed for %d requests", len(seqs))
             with self._lock:
+                self._busy_seconds_total += time.perf_counter() - started
                 self._apply_aborts()
                 for seq in seqs:
                     if seq.status is not SequenceStatus.FINISHED:
@@ -319,6 +326,7 @@ class LLMEngine:
         sampled_at = {id(s): j for j, s in enumerate(sampled)}
 
         with self._lock:
+            self._busy_seconds_total += time.perf_counter() - started
             self._apply_aborts()
             outputs.extend(self._outputs)
             self._outputs = []

@@ -1,0 +1,437 @@
+"""The built-in autoscaler's decision core (autoscaling.mode Builtin). Pure: measured signals in
+(metrics.py reads them from Prometheus), replicas per pool and the reason out; handlers.py applies
+the result and writes it to status and Events.
+
+Each pool is sized on its own, from what it measures, never from the replica count it set:
+- prefill: engine utilization (busy seconds per second, per replica) against a target, and the
+  TTFT percentile against the objective when queueing for prefill is what makes it late;
+- decode: the TPOT percentile against the objective, KV cache usage, and sequences waiting for
+  a batch slot.
+Scale-up acts at once, by at most MAX_SCALE_UP_FACTOR per evaluation. Scale-down goes to the
+fewest replicas whose predicted load (today's load spread over fewer replicas) still meets every
+target, and only once every recommendation in the stabilization window agrees; the workers drain
+what they run on SIGTERM, and the idlest pods go first (pod-deletion-cost, set by handlers.py)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+# A signal must exceed its target by this fraction before it scales up (no flapping on noise).
+TOLERANCE = 0.1
+# Prefill: busy fraction per replica to size for; the rest absorbs bursts before TTFT suffers.
+PREFILL_TARGET_UTILIZATION = 0.7
+# Decode: KV cache fraction per replica to size for (sequences grow while they decode).
+DECODE_TARGET_KV_USAGE = 0.8
+# TTFT over its objective scales prefill only when queueing for prefill is this much of it.
+PREFILL_QUEUE_SHARE = 0.2
+MAX_SCALE_UP_FACTOR = 2.0
+
+# Verdicts, as written to status (autoscaler.<pool>.lastDecision.verdict).
+SCALE_UP = "ScaleUp"
+SCALE_DOWN = "ScaleDown"
+STEADY = "Steady"
+STABILIZING = "Stabilizing"
+WAITING_FOR_PODS = "WaitingForPods"
+NO_METRICS = "NoMetrics"
+AT_MAX = "AtMaxReplicas"
+AT_MIN = "AtMinReplicas"
+GPU_BUDGET = "GPUBudget"
+LIMITED = frozenset({AT_MAX, GPU_BUDGET})
+
+
+@dataclass(frozen=True)
+class Objectives:
+    ttft_seconds: float
+    tpot_seconds: float
+    percentile: float
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What the pool's Deployment and spec say."""
+
+    name: str  # prefill | decode
+    replicas: int  # the Deployment's spec.replicas
+    ready: int
+    min_replicas: int
+    max_replicas: int
+    gpus_per_replica: int = 0
+    max_batch_size: int = 0  # decode: sequences per iteration per replica
+
+
+@dataclass(frozen=True)
+class Signals:
+    """One pool's measurements over the evaluation window (None: no samples in the window)."""
+
+    reporting: int  # worker pods Prometheus scrapes for this pool
+    latency: float | None = None  # TTFT (prefill) or TPOT (decode) percentile at the router
+    prefill_queue: float | None = None  # TTFT stage percentiles, at the router
+    decode_admission: float | None = None
+    busy: float = 0.0  # sum over pods of busy seconds per second
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float | None = None  # mean over pods
+    request_rate: float = 0.0  # requests per second finishing at the router
+    in_flight: float = 0.0  # requests the router serves now
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: str
+    current: int
+    replicas: int
+    verdict: str
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def changes(self) -> bool:
+        return self.replicas != self.current
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f}ms"
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def _scale_up(current: int, ratio: float) -> int:
+    """HPA's proportional step (current x ratio), at least +1, at most MAX_SCALE_UP_FACTOR x."""
+    want = math.ceil(current * ratio - 1e-9)
+    return max(current + 1, min(want, math.ceil(current * MAX_SCALE_UP_FACTOR)))
+
+
+def _fewest(current: int, fits: Any) -> int:
+    """The fewest replicas in [0, current] for which fits(n) holds (current if none does)."""
+    for n in range(0, current + 1):
+        if fits(n):
+            return n
+    return current
+
+
+def _idle(sig: Signals) -> bool:
+    """Nothing in the window and nothing now: the only load that zero replicas carry."""
+    return (
+        sig.latency is None
+        and sig.request_rate == 0
+        and sig.in_flight == 0
+        and sig.busy == 0
+        and sig.running == 0
+        and sig.waiting == 0
+    )
+
+
+def _from_zero(state: PoolState, sig: Signals) -> tuple[int, str, str] | None:
+    if state.replicas > 0:
+        return None
+    if sig.request_rate > 0 or sig.in_flight > 0:
+        return 1, SCALE_UP, "requests are arriving and the pool has no replicas"
+    return 0, STEADY, "no requests and no replicas"
+
+
+def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[int, str, str]:
+    """(replicas, verdict, reason) before bounds, stabilization and the GPU budget."""
+    zero = _from_zero(state, sig)
+    if zero:
+        return zero
+    n = state.replicas
+    per = max(sig.reporting, 1)
+    utilization = sig.busy / per
+    pct = f"p{obj.percentile:g}"
+    up: list[tuple[float, str]] = []
+    if utilization > PREFILL_TARGET_UTILIZATION * (1 + TOLERANCE):
+        up.append(
+            (
+                utilization / PREFILL_TARGET_UTILIZATION,
+                f"utilization {utilization:.0%} is above the target "
+                f"{PREFILL_TARGET_UTILIZATION:.0%}",
+            )
+        )
+    late = sig.latency is not None and sig.latency > obj.ttft_seconds * (1 + TOLERANCE)
+    queue_share = (sig.prefill_queue or 0.0) / sig.latency if sig.latency else 0.0
+    if late and queue_share >= PREFILL_QUEUE_SHARE:
+        assert sig.latency is not None
+        up.append(
+            (
+                sig.latency / obj.ttft_seconds,
+                f"TTFT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.ttft_seconds)} "
+                f"and {queue_share:.0%} of it is queueing for prefill",
+            )
+        )
+    if up:
+        ratio, why = max(up)
+        return _scale_up(n, ratio), SCALE_UP, why
+    if late:
+        return (
+            n,
+            STEADY,
+            f"TTFT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.ttft_seconds)}, "
+            f"but queueing for prefill is only {queue_share:.0%} of it (decode admission "
+            f"{_ms(sig.decode_admission)}): more prefill replicas would not help",
+        )
+
+    def fits(m: int) -> bool:
+        if m == 0:
+            return _idle(sig)
+        return sig.busy / m <= PREFILL_TARGET_UTILIZATION
+
+    need = _fewest(n, fits)
+    if need < n and sig.latency is not None and sig.latency > obj.ttft_seconds:
+        return n, STEADY, f"TTFT {pct} {_ms(sig.latency)} is at its objective: not scaling down"
+    if need < n:
+        after = sig.busy / need if need else 0.0
+        return (
+            need,
+            SCALE_DOWN,
+            f"utilization {utilization:.0%} on {n}; {need} would run at {after:.0%} "
+            f"(target {PREFILL_TARGET_UTILIZATION:.0%})",
+        )
+    return (
+        n,
+        STEADY,
+        f"utilization {utilization:.0%}, TTFT {pct} {_ms(sig.latency)}: within targets",
+    )
+
+
+def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[int, str, str]:
+    zero = _from_zero(state, sig)
+    if zero:
+        return zero
+    n = state.replicas
+    per = max(sig.reporting, 1)
+    pct = f"p{obj.percentile:g}"
+    kv = sig.kv_usage or 0.0
+    up: list[tuple[float, str]] = []
+    if sig.latency is not None and sig.latency > obj.tpot_seconds * (1 + TOLERANCE):
+        up.append(
+            (
+                sig.latency / obj.tpot_seconds,
+                f"TPOT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.tpot_seconds)}",
+            )
+        )
+    if kv > DECODE_TARGET_KV_USAGE * (1 + TOLERANCE):
+        up.append(
+            (kv / DECODE_TARGET_KV_USAGE, f"KV cache usage {kv:.0%} is above the target "
+             f"{DECODE_TARGET_KV_USAGE:.0%}")
+        )  # fmt: skip
+    slots = per * state.max_batch_size
+    if sig.waiting > 0 and slots and sig.running >= slots:
+        up.append(
+            (
+                (sig.running + sig.waiting) / slots,
+                f"{sig.waiting:g} sequences wait for a batch slot ({sig.running:g} running, "
+                f"{state.max_batch_size} per replica)",
+            )
+        )
+    if up:
+        ratio, why = max(up)
+        return _scale_up(n, ratio), SCALE_UP, why
+
+    def fits(m: int) -> bool:
+        # Today's load spread over m replicas; TPOT is taken to grow in proportion to the
+        # batch, which overstates it (a decode step has a fixed part), so this errs to more.
+        if m == 0:
+            return _idle(sig)
+        scale = per / m
+        if sig.latency is not None and sig.latency * scale > obj.tpot_seconds:
+            return False
+        if kv * scale > DECODE_TARGET_KV_USAGE:
+            return False
+        return not (state.max_batch_size and (sig.running + sig.waiting) / m > state.max_batch_size)
+
+    need = _fewest(n, fits)
+    if need < n:
+        return (
+            need,
+            SCALE_DOWN,
+            f"{need} replicas would carry today's load: predicted TPOT {pct} "
+            f"{_ms(None if sig.latency is None else sig.latency * per / max(need, 1))} "
+            f"(objective {_ms(obj.tpot_seconds)}), KV usage {kv * per / max(need, 1):.0%}",
+        )
+    return (
+        n,
+        STEADY,
+        f"TPOT {pct} {_ms(sig.latency)}, KV usage {kv:.0%}, {sig.running:g} running: "
+        "within targets",
+    )
+
+
+@dataclass
+class History:
+    """Recent recommendations of one pool (time, replicas), for the stabilization window. It
+    lives in the operator's memory: after a restart, scale-down waits for a full window."""
+
+    samples: deque[tuple[float, int]] = field(default_factory=deque)
+    since: float | None = None
+
+    def add(self, now: float, replicas: int, window: float) -> None:
+        if self.since is None:
+            self.since = now
+        self.samples.append((now, replicas))
+        while self.samples and self.samples[0][0] < now - window:
+            self.samples.popleft()
+
+    def highest(self) -> int:
+        return max(r for _, r in self.samples)
+
+
+def stabilize(
+    current: int, want: int, verdict: str, reason: str, history: History, now: float,
+    window: float, cap: int,
+) -> tuple[int, str, str]:  # fmt: skip
+    """Scale-down only to the highest recommendation of the last `window` seconds, and only
+    once this operator has watched a whole window. Recommendations are remembered capped at
+    maxReplicas (`cap`): wanting more than the bound allows must not block a scale-down."""
+    history.add(now, min(want, cap), window)
+    if want >= current:
+        return want, verdict, reason
+    assert history.since is not None
+    watched = now - history.since
+    floor = history.highest()
+    if watched < window:
+        return (
+            current,
+            STABILIZING,
+            f"{reason}; scale-down to {want} waits for {window:.0f}s of lower recommendations "
+            f"({watched:.0f}s so far)",
+        )
+    if floor >= current:
+        return (
+            current,
+            STABILIZING,
+            f"{reason}; scale-down waits: {floor} replicas were needed within the last "
+            f"{window:.0f}s",
+        )
+    return floor, verdict, reason
+
+
+def bound(state: PoolState, want: int, verdict: str, reason: str) -> tuple[int, str, str]:
+    """Clamp to [minReplicas, maxReplicas]; the verdict says when a bound decided."""
+    low, high = state.min_replicas, state.max_replicas
+    if want > high:
+        if verdict == SCALE_UP:
+            return high, AT_MAX, f"{reason}; limited by maxReplicas {high}"
+        want = high
+    want = max(want, low)
+    if want < state.replicas and verdict != SCALE_DOWN:
+        return want, SCALE_DOWN, f"above maxReplicas {high}"
+    if want > state.replicas and verdict != SCALE_UP:
+        return want, SCALE_UP, f"below minReplicas {low}"
+    if want == state.replicas and verdict == SCALE_DOWN:
+        return want, AT_MIN, f"{reason}; held at minReplicas {low}"
+    return want, verdict, reason
+
+
+def decide(
+    states: dict[str, PoolState],
+    signals: dict[str, Signals],
+    objectives: Objectives,
+    histories: dict[str, History],
+    now: float,
+    window: float,
+    gpu_budget: int | None = None,
+) -> dict[str, Decision]:
+    """One evaluation for both pools: replicas, verdict and reason each."""
+    decisions: dict[str, Decision] = {}
+    urgency: dict[str, float] = {}
+    for pool, state in states.items():
+        sig = signals[pool]
+        inputs = signal_inputs(state, sig)
+        if state.ready > 0 and sig.reporting == 0:
+            decisions[pool] = Decision(
+                pool,
+                state.replicas,
+                state.replicas,
+                NO_METRICS,
+                f"{state.ready} pods are ready but Prometheus has no splitserve_requests_running "
+                f"series for the {pool} pool: is it scraping them?",
+                inputs,
+            )
+            continue
+        recommend = recommend_prefill if pool == "prefill" else recommend_decode
+        want, verdict, reason = recommend(state, sig, objectives)
+        urgency[pool] = want / max(state.replicas, 1)
+        want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
+        history = histories.setdefault(pool, History())
+        if verdict == SCALE_UP and state.ready < state.replicas:
+            history.add(now, min(want, state.max_replicas), window)
+            want, verdict, reason = (
+                state.replicas,
+                WAITING_FOR_PODS,
+                f"{reason}; waiting for {state.replicas - state.ready} pods to become ready "
+                "before adding more",
+            )
+        else:
+            want, verdict, reason = stabilize(
+                state.replicas, want, verdict, reason, history, now, window, state.max_replicas
+            )
+        want, verdict, reason = bound(state, want, verdict, reason)
+        decisions[pool] = Decision(pool, state.replicas, want, verdict, reason, inputs)
+    if gpu_budget is not None:
+        decisions = _within_budget(states, decisions, urgency, gpu_budget)
+    return decisions
+
+
+def _within_budget(
+    states: dict[str, PoolState],
+    decisions: dict[str, Decision],
+    urgency: dict[str, float],
+    budget: int,
+) -> dict[str, Decision]:
+    """Trim scale-ups, least urgent pool first, until prefill + decode GPUs fit the budget.
+    It never scales a pool down to make room: that is the scale-down rules' call."""
+
+    out = dict(decisions)
+    growing = sorted(
+        (p for p, d in out.items() if d.replicas > d.current and states[p].gpus_per_replica),
+        key=lambda p: urgency.get(p, 0.0),
+    )
+    for pool in growing:
+        d = out[pool]
+        gpus = states[pool].gpus_per_replica
+        while d.replicas > d.current and used_with(out, states, pool, d.replicas) > budget:
+            d = replace(d, replicas=d.replicas - 1)
+        if d.replicas != out[pool].replicas:
+            d = replace(
+                d,
+                verdict=GPU_BUDGET,
+                reason=f"{d.reason}; limited by gpuBudget {budget} ({gpus} GPUs per replica)",
+            )
+        out[pool] = d
+    return out
+
+
+def used_with(
+    decisions: dict[str, Decision], states: dict[str, PoolState], pool: str, replicas: int
+) -> int:
+    return sum(
+        (replicas if p == pool else d.replicas) * states[p].gpus_per_replica
+        for p, d in decisions.items()
+    )
+
+
+def signal_inputs(state: PoolState, sig: Signals) -> dict[str, Any]:
+    """The measurements behind a decision, as written to status (seconds, fractions, counts;
+    latencies at spec.slo.percentile)."""
+    inputs: dict[str, Any] = {
+        "replicas": state.replicas,
+        "readyReplicas": state.ready,
+        "reportingPods": sig.reporting,
+        "requestsPerSecond": _round(sig.request_rate),
+        "running": _round(sig.running),
+        "waiting": _round(sig.waiting),
+    }
+    if state.name == "prefill":
+        inputs["ttftSeconds"] = _round(sig.latency)
+        inputs["prefillQueueSeconds"] = _round(sig.prefill_queue)
+        inputs["utilization"] = _round(sig.busy / max(sig.reporting, 1))
+    else:
+        inputs["tpotSeconds"] = _round(sig.latency)
+        inputs["decodeAdmissionSeconds"] = _round(sig.decode_admission)
+        inputs["kvCacheUsage"] = _round(sig.kv_usage)
+    return inputs  # None: no samples in the window (JSON null, which a merge patch removes)

@@ -1,0 +1,256 @@
+"""Runs the built-in autoscaler for one LLMService (autoscaling.mode Builtin; a kopf daemon per
+LLMService, registered in handlers.py). Every spec.autoscaling.interval it reads the pools'
+Deployments and the signals from Prometheus, decides (autoscaler.decide), scales the
+Deployments, and says why: status.autoscaler.<pool>.lastDecision, the Autoscaling and
+ScalingLimited conditions, and an Event for every scale and every change of trouble.
+
+Scale-down is drain-safe: before lowering replicas it sets each pod's pod-deletion-cost to the
+sequences it holds, so the ReplicaSet removes the idlest pods first, and a removed worker drains
+on SIGTERM (it takes no new work and finishes what it has within terminationGracePeriodSeconds)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import GROUP, VERSION
+from .autoscaler import (
+    LIMITED,
+    Decision,
+    History,
+    Objectives,
+    PoolState,
+    decide,
+)
+from .config import REPLICAS_FIELD_MANAGER, OperatorConfig
+from .kube import Kube, KubeError, Ref
+from .names import child_name, selector_labels
+from .prometheus import MetricsError, PrometheusReader
+from .reconcile import replicas_patch
+from .spec import Spec, SpecError, gpus_per_replica, parse_spec
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+SCALED_POOLS = ("prefill", "decode")
+# Signals are rates over this many evaluation intervals (and at least MIN_WINDOW_SECONDS), so
+# one quiet or busy scrape does not decide alone.
+WINDOW_INTERVALS = 4
+MIN_WINDOW_SECONDS = 30.0
+# A decision whose verdict and replicas did not change is rewritten at most this often (its
+# inputs move every evaluation; status need not).
+REFRESH_SECONDS = 60.0
+
+# Autoscaler states (status.autoscaler.state), read by status.autoscaling_condition.
+ACTIVE = "Active"
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+NO_METRICS_SOURCE = "NoMetricsSource"
+
+# (body, type, reason, message) -> None: posts an Event on the LLMService.
+Emit = Callable[[dict[str, Any], str, str, str], None]
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def window_seconds(interval: float) -> float:
+    return max(MIN_WINDOW_SECONDS, WINDOW_INTERVALS * interval)
+
+
+@dataclass
+class ScalerState:
+    """What one LLMService's daemon remembers between evaluations (lost on restart: then
+    scale-down waits a whole stabilization window again, which errs on the safe side)."""
+
+    histories: dict[str, History] = field(default_factory=dict)
+    written: dict[str, Any] = field(default_factory=dict)  # what status last got, minus times
+    written_at: float = 0.0
+
+
+class Scaler:
+    def __init__(
+        self,
+        kube: Kube,
+        config: OperatorConfig,
+        refresh_status: Callable[[str, str], None],
+        emit: Emit,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube = kube
+        self.config = config
+        self.refresh_status = refresh_status  # recompute conditions from status.autoscaler
+        self.emit = emit
+        self.clock = clock
+
+    def evaluate(
+        self, namespace: str, name: str, state: ScalerState, log: logging.Logger | Any
+    ) -> float:
+        """One evaluation; returns the seconds until the next (spec.autoscaling.interval)."""
+        ref = Ref(f"{GROUP}/{VERSION}", "LLMService", namespace, name)
+        body = self.kube.get(ref)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return 5.0
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError:
+            return 15.0  # the reconcile handler reports it
+        if spec.autoscaling_mode != "Builtin":
+            return spec.autoscaling_interval
+        url = spec.prometheus_url or self.config.prometheus_url
+        if not url:
+            self.report(
+                body,
+                state,
+                NO_METRICS_SOURCE,
+                "no Prometheus to read: set spec.autoscaling.metrics.prometheus.url (or the "
+                "operator's --prometheus-url); replicas stay as they are",
+                {},
+            )
+            return spec.autoscaling_interval
+        deployments = {
+            pool: self.kube.get(Ref("apps/v1", "Deployment", namespace, child_name(name, pool)))
+            for pool in SCALED_POOLS
+        }
+        if any(d is None for d in deployments.values()):
+            return spec.autoscaling_interval  # reconcile creates them first
+        states = {pool: pool_state(spec, pool, d) for pool, d in deployments.items() if d}
+        reader = PrometheusReader(url)
+        window = window_seconds(spec.autoscaling_interval)
+        try:
+            signals = reader.read(namespace, name, spec.percentile, window)
+        except MetricsError as e:
+            self.report(body, state, METRICS_UNAVAILABLE, f"{e}; replicas stay as they are", {})
+            log.warning(f"autoscaler: {e}")
+            return spec.autoscaling_interval
+        objectives = Objectives(spec.ttft_seconds, spec.tpot_seconds, spec.percentile)
+        decisions = decide(
+            states,
+            signals,
+            objectives,
+            state.histories,
+            self.clock(),
+            spec.scale_down_stabilization,
+            spec.gpu_budget,
+        )
+        scaled: dict[str, str] = {}
+        for pool, decision in decisions.items():
+            if decision.changes:
+                dep = deployments[pool]
+                assert dep is not None
+                self.scale(reader, namespace, name, dep, decision, log)
+                scaled[pool] = now_rfc3339()
+                kind = "ScaledUp" if decision.replicas > decision.current else "ScaledDown"
+                message = f"{pool} {decision.current} -> {decision.replicas}: {decision.reason}"
+                self.emit(body, "Normal", kind, message)
+                log.info(f"autoscaler: {message}")
+        summary = "; ".join(f"{p}: {d.verdict} ({d.reason})" for p, d in decisions.items())
+        self.report(body, state, ACTIVE, summary, decisions, scaled)
+        return spec.autoscaling_interval
+
+    def scale(
+        self,
+        reader: PrometheusReader,
+        namespace: str,
+        name: str,
+        deployment: dict[str, Any],
+        decision: Decision,
+        log: logging.Logger | Any,
+    ) -> None:
+        if decision.replicas < decision.current:
+            try:
+                self.mark_idlest(reader, namespace, name, decision.pool)
+            except (KubeError, MetricsError) as e:
+                # Still safe (workers drain on SIGTERM), only not the idlest pods first.
+                log.warning(f"autoscaler: pod-deletion-cost not set for {decision.pool}: {e}")
+        self.kube.apply(replicas_patch(deployment, decision.replicas), REPLICAS_FIELD_MANAGER)
+
+    def mark_idlest(self, reader: PrometheusReader, namespace: str, name: str, pool: str) -> None:
+        """pod-deletion-cost = sequences the pod holds now, so the idlest go first."""
+        load = reader.pod_load(namespace, name, pool)
+        for pod in self.kube.list_objects("v1", "pods", namespace, selector_labels(name, pool)):
+            meta = pod["metadata"]
+            cost = str(round(load.get(meta["name"], 0.0)))
+            if (meta.get("annotations") or {}).get(DELETION_COST) == cost:
+                continue
+            self.kube.request(
+                "PATCH",
+                Ref("v1", "Pod", namespace, meta["name"]).path(),
+                body={"metadata": {"annotations": {DELETION_COST: cost}}},
+                content_type="application/merge-patch+json",
+            )
+
+    def report(
+        self,
+        body: dict[str, Any],
+        state: ScalerState,
+        verdict_state: str,
+        message: str,
+        decisions: dict[str, Decision],
+        scaled: dict[str, str] | None = None,
+    ) -> None:
+        """Write status.autoscaler when something a reader cares about changed (or its numbers
+        are over REFRESH_SECONDS old), then let the conditions follow."""
+        scaled = scaled or {}
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        previous = (body.get("status") or {}).get("autoscaler") or {}
+        key = {
+            "state": verdict_state,
+            "message": message if verdict_state != ACTIVE else "",
+            **{p: (d.verdict, d.current, d.replicas) for p, d in decisions.items()},
+        }
+        now = self.clock()
+        if not scaled and key == state.written and now - state.written_at < REFRESH_SECONDS:
+            return
+        if verdict_state != (previous.get("state") or ACTIVE) and verdict_state != ACTIVE:
+            self.emit(body, "Warning", verdict_state, message)
+        stamp = now_rfc3339()
+        fresh: dict[str, Any] = {"state": verdict_state, "message": message}
+        for pool, d in decisions.items():
+            before = previous.get(pool) or {}
+            last = before.get("lastDecision") or {}
+            same = (last.get("verdict"), last.get("replicas")) == (d.verdict, d.replicas)
+            entry: dict[str, Any] = {
+                "lastDecision": {
+                    "time": last.get("time", stamp) if same and pool not in scaled else stamp,
+                    "evaluated": stamp,
+                    "verdict": d.verdict,
+                    "currentReplicas": d.current,
+                    "replicas": d.replicas,
+                    "reason": d.reason,
+                    "inputs": d.inputs,
+                },
+            }
+            if pool in scaled:
+                entry["lastScaleTime"] = scaled[pool]
+            if d.verdict in LIMITED and last.get("verdict") != d.verdict:
+                self.emit(body, "Warning", "ScalingLimited", f"{pool}: {d.reason}")
+            fresh[pool] = entry
+        ref = Ref(f"{GROUP}/{VERSION}", "LLMService", namespace, name)
+        try:
+            self.kube.patch_status(ref, {"autoscaler": fresh})
+        except KubeError as e:
+            if e.status != 404:
+                raise
+            return
+        state.written, state.written_at = key, now
+        self.refresh_status(namespace, name)
+
+
+def pool_state(spec: Spec, pool: str, deployment: dict[str, Any]) -> PoolState:
+    settings = spec.pool(pool)
+    bounds = settings.bounds
+    assert bounds is not None  # parse_spec requires them in mode Builtin
+    replicas = int((deployment.get("spec") or {}).get("replicas", settings.replicas))
+    return PoolState(
+        name=pool,
+        replicas=replicas,
+        ready=int((deployment.get("status") or {}).get("readyReplicas") or 0),
+        min_replicas=bounds.min_replicas,
+        max_replicas=bounds.max_replicas,
+        gpus_per_replica=gpus_per_replica(settings),
+        max_batch_size=int(settings.settings.get("maxBatchSize", 0)),
+    )

@@ -1,0 +1,232 @@
+"""The built-in autoscaler's decision core (operator/splitserve_operator/autoscaler.py): measured
+signals in, replicas and a reason out, per pool."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from splitserve_operator.autoscaler import (
+    AT_MAX,
+    AT_MIN,
+    GPU_BUDGET,
+    NO_METRICS,
+    SCALE_DOWN,
+    SCALE_UP,
+    STABILIZING,
+    STEADY,
+    WAITING_FOR_PODS,
+    Decision,
+    History,
+    Objectives,
+    PoolState,
+    Signals,
+    decide,
+)
+
+OBJ = Objectives(ttft_seconds=0.5, tpot_seconds=0.05, percentile=95)
+WINDOW = 300.0
+
+
+def pool(name: str, replicas: int = 2, **kw: int) -> PoolState:
+    defaults = dict(ready=replicas, min_replicas=1, max_replicas=8, max_batch_size=32)
+    defaults.update(kw)
+    return PoolState(name=name, replicas=replicas, **defaults)  # type: ignore[arg-type]
+
+
+def steady_prefill(pods: int) -> Signals:
+    """60% busy, TTFT well inside: one pod fewer would pass the 70% target."""
+    return Signals(reporting=pods, latency=0.1, busy=0.6 * pods)
+
+
+def steady_decode(pods: int) -> Signals:
+    """TPOT 30 ms of 50: the same load on fewer pods is predicted over the objective."""
+    return Signals(reporting=pods, latency=0.03, kv_usage=0.3, running=10 * pods)
+
+
+def run(
+    prefill: PoolState,
+    decode: PoolState,
+    psig: Signals | None = None,
+    dsig: Signals | None = None,
+    histories: dict[str, History] | None = None,
+    now: float = 0.0,
+    budget: int | None = None,
+) -> dict[str, Decision]:
+    return decide(
+        {"prefill": prefill, "decode": decode},
+        {
+            "prefill": psig or steady_prefill(prefill.ready),
+            "decode": dsig or steady_decode(decode.ready),
+        },
+        OBJ,
+        histories if histories is not None else {},
+        now,
+        WINDOW,
+        budget,
+    )
+
+
+def test_within_targets_is_steady_and_says_so() -> None:
+    d = run(pool("prefill"), pool("decode"))
+    assert {p: (x.verdict, x.replicas) for p, x in d.items()} == {
+        "prefill": (STEADY, 2),
+        "decode": (STEADY, 2),
+    }
+    assert "within targets" in d["prefill"].reason
+    assert d["prefill"].inputs["utilization"] == 0.6  # 1.2 busy seconds/s over 2 pods
+    assert d["decode"].inputs["tpotSeconds"] == 0.03
+
+
+def test_prefill_scales_on_utilization_in_proportion() -> None:
+    # 2 pods 95% busy: 1.9 replicas of work; at the 70% target that is 2 x 0.95/0.7 -> 3.
+    d = run(pool("prefill"), pool("decode"), Signals(reporting=2, busy=1.9, latency=0.2))
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (SCALE_UP, 3)
+    assert "utilization 95%" in d["prefill"].reason
+    assert d["decode"].verdict == STEADY  # each pool on its own signals
+
+
+def test_prefill_ttft_breach_scales_only_when_queueing_for_prefill() -> None:
+    queued = Signals(reporting=2, busy=0.6, latency=1.5, prefill_queue=1.0)
+    d = run(pool("prefill"), pool("decode"), queued)
+    # 1.5 s against 0.5 s is 3x, capped at doubling per evaluation.
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (SCALE_UP, 4)
+    assert "TTFT p95 1500ms" in d["prefill"].reason
+    assert "67% of it is queueing for prefill" in d["prefill"].reason
+    # Same TTFT, but it is waiting for decode admission: prefill replicas would not help.
+    admission = replace(queued, prefill_queue=0.05, decode_admission=1.2)
+    d = run(pool("prefill"), pool("decode"), admission)
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (STEADY, 2)
+    assert "would not help" in d["prefill"].reason and "1200ms" in d["prefill"].reason
+
+
+def test_decode_scales_on_tpot_kv_and_full_batches() -> None:
+    slow = Signals(reporting=2, latency=0.08, kv_usage=0.3, running=10)
+    d = run(pool("prefill"), pool("decode"), dsig=slow)
+    assert (d["decode"].verdict, d["decode"].replicas) == (SCALE_UP, 4)  # ceil(2 x 1.6)
+    assert "TPOT p95 80ms is above the objective 50ms" in d["decode"].reason
+    full_kv = Signals(reporting=2, latency=0.02, kv_usage=0.95, running=10)
+    d = run(pool("prefill"), pool("decode"), dsig=full_kv)
+    assert (d["decode"].verdict, d["decode"].replicas) == (SCALE_UP, 3)
+    assert "KV cache usage 95%" in d["decode"].reason
+    waiting = Signals(reporting=2, latency=0.02, kv_usage=0.5, running=64, waiting=40)
+    d = run(pool("prefill"), pool("decode"), dsig=waiting)
+    assert (d["decode"].verdict, d["decode"].replicas) == (SCALE_UP, 4)  # 104 / 64 slots
+    assert "40 sequences wait for a batch slot" in d["decode"].reason
+
+
+def test_within_tolerance_does_not_scale() -> None:
+    # 5% over the objective is inside the 10% tolerance.
+    d = run(pool("prefill"), pool("decode"), dsig=Signals(reporting=2, latency=0.0525))
+    assert d["decode"].verdict == STEADY and d["decode"].replicas == 2
+
+
+def test_scale_down_waits_for_a_whole_stabilization_window() -> None:
+    histories: dict[str, History] = {}
+    idle = Signals(reporting=4, latency=0.005, kv_usage=0.02, running=1)
+    decode = pool("decode", 4)
+    first = run(pool("prefill"), decode, dsig=idle, histories=histories, now=0)["decode"]
+    assert (first.verdict, first.replicas) == (STABILIZING, 4)
+    assert "waits for 300s of lower recommendations (0s so far)" in first.reason
+    mid = run(pool("prefill"), decode, dsig=idle, histories=histories, now=200)["decode"]
+    assert mid.verdict == STABILIZING and mid.replicas == 4
+    after = run(pool("prefill"), decode, dsig=idle, histories=histories, now=301)["decode"]
+    assert (after.verdict, after.replicas) == (SCALE_DOWN, 1)
+
+
+def test_scale_down_goes_to_the_highest_recent_recommendation() -> None:
+    histories = {"decode": History()}
+    histories["decode"].add(-WINDOW - 1, 6, WINDOW)  # the operator has watched a whole window
+    decode = pool("decode", 6)
+    busy = Signals(reporting=6, latency=0.03, kv_usage=0.4, running=60)  # 4 keep TPOT <= 50 ms
+    idle = Signals(reporting=6, latency=0.005, kv_usage=0.05, running=3)  # 1 would do
+    first = run(pool("prefill"), decode, dsig=busy, histories=histories, now=0)["decode"]
+    assert (first.verdict, first.replicas) == (SCALE_DOWN, 4)
+    d = run(pool("prefill"), decode, dsig=idle, histories=histories, now=290)["decode"]
+    # The busy recommendation (4) from t=0 is still inside the 300 s window.
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 4)
+    d = run(pool("prefill"), decode, dsig=idle, histories=histories, now=301)["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
+
+
+def test_scale_down_keeps_enough_for_the_predicted_load() -> None:
+    histories = {"decode": History()}
+    histories["decode"].add(-WINDOW - 1, 1, WINDOW)  # the operator has watched a whole window
+    # 4 pods, TPOT 20 ms: on 2 pods the same load predicts 40 ms (<= 50), on 1 pod 80 ms.
+    sig = Signals(reporting=4, latency=0.02, kv_usage=0.1, running=20)
+    d = run(pool("prefill"), pool("decode", 4), dsig=sig, histories=histories)["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 2)
+    assert "predicted TPOT p95 40ms" in d.reason
+
+
+def test_prefill_scale_down_never_breaks_the_utilization_target() -> None:
+    histories = {"prefill": History()}
+    histories["prefill"].add(-WINDOW - 1, 1, WINDOW)
+    sig = Signals(reporting=5, busy=1.3, latency=0.2, prefill_queue=0.01)
+    d = run(pool("prefill", 5), pool("decode"), sig, histories=histories)["prefill"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 2)  # 1.3 / 2 = 65% <= 70%
+    assert "2 would run at 65%" in d.reason
+
+
+def test_bounds_and_min_replicas() -> None:
+    hot = Signals(reporting=8, latency=0.2, kv_usage=0.5, running=10)
+    d = run(pool("prefill"), pool("decode", 8), dsig=hot)["decode"]
+    assert (d.verdict, d.replicas) == (AT_MAX, 8)
+    assert "limited by maxReplicas 8" in d.reason
+    histories = {"decode": History()}
+    histories["decode"].add(-WINDOW - 1, 0, WINDOW)
+    idle = Signals(reporting=2, latency=None, kv_usage=0.0)
+    d = run(pool("prefill"), pool("decode", 2, min_replicas=2), dsig=idle, histories=histories)
+    assert (d["decode"].verdict, d["decode"].replicas) == (AT_MIN, 2)
+    # A spec whose maxReplicas was lowered below the running count scales down at once.
+    d = run(pool("prefill"), pool("decode", 6, max_replicas=4))["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 4) and "maxReplicas 4" in d.reason
+
+
+def test_wanting_more_than_max_does_not_block_a_later_scale_down() -> None:
+    histories = {"decode": History()}
+    histories["decode"].add(-WINDOW - 1, 4, WINDOW)
+    decode = pool("decode", 4, max_replicas=4)
+    hot = Signals(reporting=4, latency=0.2, kv_usage=0.5, running=10)  # wants 8
+    assert run(pool("prefill"), decode, dsig=hot, histories=histories)["decode"].verdict == AT_MAX
+    idle = Signals(reporting=4, latency=0.005, kv_usage=0.05, running=1)
+    d = run(pool("prefill"), decode, dsig=idle, histories=histories, now=WINDOW + 1)["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
+
+
+def test_zero_replicas_wake_on_requests() -> None:
+    zero = pool("prefill", 0, min_replicas=0)
+    d = run(zero, pool("decode"), Signals(reporting=0, request_rate=0.5))["prefill"]
+    assert (d.verdict, d.replicas) == (SCALE_UP, 1)
+    d = run(zero, pool("decode"), Signals(reporting=0))["prefill"]
+    assert (d.verdict, d.replicas) == (STEADY, 0)
+
+
+def test_scale_up_waits_for_pods_already_starting() -> None:
+    starting = pool("decode", 4, ready=2)
+    slow = Signals(reporting=2, latency=0.2, kv_usage=0.5, running=10)
+    d = run(pool("prefill"), starting, dsig=slow)["decode"]
+    assert (d.verdict, d.replicas) == (WAITING_FOR_PODS, 4)
+    assert "waiting for 2 pods to become ready" in d.reason
+
+
+def test_ready_pods_without_series_hold_and_say_why() -> None:
+    d = run(pool("prefill"), pool("decode"), dsig=Signals(reporting=0))["decode"]
+    assert (d.verdict, d.replicas) == (NO_METRICS, 2)
+    assert "is it scraping them" in d.reason
+
+
+def test_gpu_budget_trims_the_less_urgent_pool_first() -> None:
+    prefill = pool("prefill", 2, gpus_per_replica=1)
+    decode = pool("decode", 2, gpus_per_replica=2)
+    hot_prefill = Signals(reporting=2, busy=1.9, latency=0.3)  # wants 3 (1.36x)
+    hot_decode = Signals(reporting=2, latency=0.2, kv_usage=0.5, running=10)  # wants 4 (2x)
+    # Now 2x1 + 2x2 = 6 GPUs, wanted 3x1 + 4x2 = 11, budget 9: prefill (less urgent) is
+    # trimmed back to 2 first, and that is still not enough room for decode's 4.
+    d = run(prefill, decode, hot_prefill, hot_decode, budget=9)
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (GPU_BUDGET, 2)
+    assert "limited by gpuBudget 9" in d["prefill"].reason
+    # Decode is trimmed too, from 4 to the 3 that fit: 2 x 1 + 3 x 2 = 8 GPUs.
+    assert (d["decode"].verdict, d["decode"].replicas) == (GPU_BUDGET, 3)
+    # A budget with room changes nothing.
+    d = run(prefill, decode, hot_prefill, hot_decode, budget=11)
+    assert (d["prefill"].replicas, d["decode"].replicas) == (3, 4)

@@ -1,0 +1,208 @@
+"""The built-in autoscaler end to end: the operator (chart RBAC) reads a real Prometheus, scales
+the real Deployments on the real control plane, and explains itself in status, conditions and
+Events. Pods on kwok nodes run no process, so the test exports their metrics (the workers' own
+metric classes, tests/operator/fleet.py) under their real pod names; Prometheus scrapes those
+with the namespace and pod labels a Kubernetes scrape adds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import plane
+import pytest
+from fleet import Fleet
+from operator_process import OperatorProcess, conditions, get_json, wait_until
+from test_operator_cluster import apply, deployment, llms, tiny, wait_ready
+
+pytestmark = pytest.mark.cluster
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+def pods_of(cp: Any, namespace: str, pool: str) -> list[dict[str, Any]]:
+    found = get_json(
+        cp, "-n", namespace, "pods", "-l", f"app.kubernetes.io/instance=chat,"
+        f"app.kubernetes.io/component={pool}",
+    )  # fmt: skip
+    return [p for p in found["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def last(obj: dict[str, Any] | None, pool: str) -> dict[str, Any]:
+    auto = ((obj or {}).get("status") or {}).get("autoscaler") or {}
+    return (auto.get(pool) or {}).get("lastDecision") or {}
+
+
+def events(cp: Any, namespace: str) -> list[dict[str, Any]]:
+    found = get_json(
+        cp, "-n", namespace, "events", "--field-selector",
+        "involvedObject.kind=LLMService,involvedObject.name=chat",
+    )  # fmt: skip
+    return list(found["items"])
+
+
+def wait_for(
+    cp: Any,
+    namespace: str,
+    check: Callable[[], Any],
+    what: str,
+    timeout: float,
+    operator: OperatorProcess | None = None,
+) -> Any:
+    """wait_until, failing with what the autoscaler last said and the decode pods' states."""
+    try:
+        return wait_until(check, what, timeout)
+    except AssertionError as e:
+        obj = llms(cp, namespace, "chat") or {}
+        pods = [
+            (p["metadata"]["name"], p["status"].get("phase"), p["metadata"].get("annotations"))
+            for p in pods_of(cp, namespace, "decode")
+        ]
+        raise AssertionError(
+            f"{e}\nstatus: {json.dumps(obj.get('status'), indent=1)}\ndecode pods: {pods}\n"
+            + "\n".join(
+                line
+                for line in (operator.tail(2000) if operator else "").splitlines()
+                if "autoscal" in line or "rror" in line
+            )
+        ) from None
+
+
+def test_builtin_autoscaler_scales_each_pool_and_explains_it(
+    control_plane: Any,
+    operator: OperatorProcess,
+    namespace: str,
+    prometheus: Callable[..., Any],
+) -> None:
+    cp = control_plane
+    obj = tiny(slo={"ttft": "500ms", "tpot": "50ms", "percentile": 95})
+    obj["metadata"]["name"] = "chat"
+    obj["spec"]["prefill"].update(replicas=1, autoscaling={"minReplicas": 1, "maxReplicas": 3})
+    obj["spec"]["decode"].update(replicas=2, autoscaling={"minReplicas": 1, "maxReplicas": 4})
+    # No Prometheus yet: the autoscaler says it has nothing to read, and scales nothing.
+    obj["spec"]["autoscaling"] = {"mode": "Builtin", "interval": "1s",
+                                  "scaleDownStabilization": "10s"}  # fmt: skip
+    apply(cp, namespace, obj)
+    wait_ready(cp, namespace, "chat")
+    cond = wait_until(
+        lambda: (
+            conditions(llms(cp, namespace, "chat") or {}).get("Autoscaling", {}).get("reason")
+            == "NoMetricsSource"
+            and conditions(llms(cp, namespace, "chat") or {})["Autoscaling"]
+        ),
+        "Autoscaling NoMetricsSource",
+    )
+    assert (
+        cond["status"] == "False" and "spec.autoscaling.metrics.prometheus.url" in cond["message"]
+    )
+
+    # The decode pool is slow (TPOT 120 ms against 50 ms); prefill is comfortable.
+    fleet = Fleet(namespace, "chat", ttft=0.1, prefill_queue=0.01, tpot=0.12)
+    try:
+        for pod in pods_of(cp, namespace, "prefill"):
+            fleet.add_pod(pod["metadata"]["name"], "prefill", busy_fraction=0.6, running=1)
+        decode_pods = sorted(p["metadata"]["name"] for p in pods_of(cp, namespace, "decode"))
+        busy_pod, idle_pod = decode_pods
+        fleet.add_pod(busy_pod, "decode", busy_fraction=0.9, running=8, kv_usage=0.3)
+        fleet.add_pod(idle_pod, "decode", busy_fraction=0.1, running=0, kv_usage=0.05)
+        targets = fleet.targets()
+        prom = prometheus(list(targets), scrape_interval="1s", labels=targets)
+        obj["spec"]["autoscaling"]["metrics"] = {"prometheus": {"url": prom.url}}
+        apply(cp, namespace, obj)
+
+        # Up at once: TPOT 2.4x over its objective doubles decode (2 -> 4 = maxReplicas).
+        wait_until(
+            lambda: (d := deployment(cp, namespace, "chat-decode")) and d["spec"]["replicas"] == 4,
+            f"decode scaled to 4\n{operator.tail()}",
+            120,
+        )
+        up = wait_until(
+            lambda: (
+                (o := llms(cp, namespace, "chat")) and last(o, "decode").get("replicas") == 4 and o
+            ),
+            "decode decision in status",
+        )
+        decision = last(up, "decode")
+        assert decision["currentReplicas"] == 2 and decision["verdict"] == "ScaleUp"
+        assert "TPOT p95" in decision["reason"] and "objective 50ms" in decision["reason"]
+        assert decision["inputs"]["tpotSeconds"] > 0.1 and decision["inputs"]["reportingPods"] == 2
+        assert up["status"]["autoscaler"]["decode"]["lastScaleTime"]
+        assert deployment(cp, namespace, "chat-prefill")["spec"]["replicas"] == 1  # type: ignore
+        assert last(up, "prefill")["verdict"] in ("Steady", "Stabilizing")
+        assert conditions(up)["Autoscaling"]["status"] == "True"
+        scaled = [e for e in events(cp, namespace) if e["reason"] == "ScaledUp"]
+        assert scaled and scaled[0]["message"].startswith("decode 2 -> 4: TPOT p95")
+
+        # Still slow at maxReplicas: ScalingLimited says which bound holds it.
+        limited = wait_for(
+            cp,
+            namespace,
+            lambda: (
+                (o := llms(cp, namespace, "chat"))
+                and conditions(o).get("ScalingLimited", {}).get("status") == "True"
+                and o
+            ),
+            "ScalingLimited",
+            120,
+            operator,
+        )
+        assert conditions(limited)["ScalingLimited"]["reason"] == "AtMaxReplicas"
+        assert "maxReplicas 4" in conditions(limited)["ScalingLimited"]["message"]
+
+        # Load falls: after the stabilization window decode goes down, idlest pods first.
+        fleet.tpot = 0.005
+        for name, pod in fleet.pods.items():
+            if name != busy_pod:
+                pod.running, pod.busy_fraction = 0, 0.0
+        wait_for(
+            cp,
+            namespace,
+            lambda: (d := deployment(cp, namespace, "chat-decode")) and d["spec"]["replicas"] == 1,
+            "decode scaled down to 1",
+            180,
+            operator,
+        )
+        down = last(llms(cp, namespace, "chat"), "decode")
+        assert down["verdict"] == "ScaleDown" and "predicted TPOT" in down["reason"]
+        # The ReplicaSet removed the pods the autoscaler marked cheapest; the busy one stays.
+        survivors = wait_until(
+            lambda: (p := pods_of(cp, namespace, "decode")) and len(p) == 1 and p,
+            "one decode pod left",
+        )
+        assert survivors[0]["metadata"]["name"] == busy_pod
+        assert survivors[0]["metadata"]["annotations"][DELETION_COST] == "8"
+        assert "ScaledDown" in {e["reason"] for e in events(cp, namespace)}
+
+        # Prometheus goes away: the autoscaler holds and says so.
+        obj["spec"]["autoscaling"]["metrics"] = {
+            "prometheus": {"url": f"http://127.0.0.1:{plane.free_port()}"}
+        }
+        apply(cp, namespace, obj)
+        cond = wait_until(
+            lambda: (
+                (c := conditions(llms(cp, namespace, "chat") or {}).get("Autoscaling"))
+                and c["reason"] == "MetricsUnavailable"
+                and c
+            ),
+            "Autoscaling MetricsUnavailable",
+        )
+        assert cond["status"] == "False" and "cannot query Prometheus" in cond["message"]
+        assert deployment(cp, namespace, "chat-decode")["spec"]["replicas"] == 1  # type: ignore
+        assert "MetricsUnavailable" in {e["reason"] for e in events(cp, namespace)}
+
+        # Leaving Builtin stops the daemon and clears what it wrote.
+        obj["spec"]["autoscaling"] = {"mode": "Off"}
+        apply(cp, namespace, obj)
+        off = wait_until(
+            lambda: (
+                (o := llms(cp, namespace, "chat"))
+                and "autoscaler" not in o["status"]
+                and conditions(o)["Autoscaling"]["reason"] == "Off"
+                and o
+            ),
+            "autoscaler status cleared",
+        )
+        assert "ScalingLimited" not in conditions(off)
+    finally:
+        fleet.close()

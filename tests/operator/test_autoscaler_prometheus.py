@@ -1,0 +1,86 @@
+"""The autoscaler's Prometheus reader against a real Prometheus server scraping the metric
+families the router and workers export (splitserve_workers.metrics, the same classes), with the
+namespace and pod labels a Kubernetes scrape adds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import plane
+import pytest
+from fleet import Fleet
+from operator_process import wait_until
+from splitserve_operator.prometheus import MetricsError, PrometheusReader
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def fleets() -> Iterator[tuple[Fleet, Fleet]]:
+    """chat in team-a (router, two prefill pods, one decode pod) and a decoy chat in team-b
+    whose numbers must never leak in."""
+    chat = Fleet("team-a", "chat", ttft=1.2, prefill_queue=0.8, tpot=0.04, decode_admission=0.002)
+    chat.add_pod("chat-prefill-a", "prefill", busy_fraction=0.8, running=1)
+    chat.add_pod("chat-prefill-b", "prefill", busy_fraction=0.8, running=3, waiting=2)
+    chat.add_pod("chat-decode-a", "decode", busy_fraction=0.7, running=12, kv_usage=0.42)
+    chat.router_metrics.requests_in_flight.labels(**chat.labels, pool="router").set(5)
+    decoy = Fleet("team-b", "chat", ttft=9.0, requests_per_tick=50)
+    decoy.add_pod("chat-prefill-a", "prefill", busy_fraction=0.1, running=40)
+    try:
+        yield chat, decoy
+    finally:
+        chat.close()
+        decoy.close()
+
+
+def test_reader_measures_each_pool_of_one_service(
+    prometheus: Callable[..., Any], fleets: tuple[Fleet, Fleet]
+) -> None:
+    targets = fleets[0].targets() | fleets[1].targets()
+    prom = prometheus(list(targets), scrape_interval="1s", labels=targets)
+    reader = PrometheusReader(prom.url)
+
+    def settled() -> Any:
+        # A rate over a window that holds only a few scrapes is underestimated; wait until the
+        # 5 s window is full of 1 s scrapes of every target.
+        s = reader.read("team-a", "chat", 95, window_seconds=5)
+        ok = s["prefill"].reporting == 2 and s["prefill"].busy > 1.0 and s["decode"].busy > 0.5
+        return s if ok else None
+
+    signals = wait_until(settled, "a full window of scrapes of every target")
+    prefill, decode = signals["prefill"], signals["decode"]
+    assert (prefill.reporting, decode.reporting) == (2, 1)
+    # 0.8 and 0.7 busy seconds per second per pod; a ticker on a loaded box runs a little late.
+    assert 1.0 < prefill.busy < 1.8 and 0.5 < decode.busy < 0.9
+    assert (prefill.running, prefill.waiting, decode.running) == (4, 2, 12)
+    assert decode.kv_usage == pytest.approx(0.42)
+    # Every TTFT is 1.2 s: its p95 lies in the (1.0, 1.5] bucket, never the decoy's 9 s.
+    assert prefill.latency is not None and 1.0 < prefill.latency <= 1.5
+    assert prefill.prefill_queue is not None and 0.75 < prefill.prefill_queue <= 1.0
+    assert 0.03 < decode.latency <= 0.04
+    assert decode.decode_admission is not None and decode.decode_admission <= 0.0025
+    assert 8 < prefill.request_rate < 30  # 20/s for chat; the decoy's 500/s stays out
+    assert prefill.in_flight == 5
+    assert reader.pod_load("team-a", "chat", "prefill") == {
+        "chat-prefill-a": 1.0,
+        "chat-prefill-b": 5.0,
+    }
+    # A service Prometheus knows nothing of: no pods, no latencies (None, not NaN or 0).
+    empty = reader.read("team-a", "other", 95, window_seconds=30)
+    assert empty["decode"].reporting == 0 and empty["decode"].latency is None
+
+
+def test_reader_errors_name_the_server(
+    prometheus: Callable[..., Any], fleets: tuple[Fleet, Fleet]
+) -> None:
+    gone = PrometheusReader(f"http://127.0.0.1:{plane.free_port()}", timeout=2)
+    with pytest.raises(MetricsError, match="cannot query Prometheus"):
+        gone.read("team-a", "chat", 95, 30)
+    # Something that is not Prometheus (a metrics exporter answers 200 with text).
+    not_prom = PrometheusReader(f"http://{fleets[0].router.target}")
+    with pytest.raises(MetricsError, match="not a Prometheus query answer"):
+        not_prom.query("up")
+    prom = prometheus([fleets[0].router.target])
+    with pytest.raises(MetricsError, match="HTTP 400"):
+        PrometheusReader(prom.url).query("sum(")
