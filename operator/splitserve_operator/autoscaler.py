@@ -76,6 +76,7 @@ class Signals:
     kv_usage: float | None = None  # mean over pods
     request_rate: float = 0.0  # requests per second finishing at the router
     in_flight: float = 0.0  # requests the router serves now
+    busy_series: int | None = None  # pods exporting busy seconds (None: not asked)
 
 
 @dataclass(frozen=True)
@@ -166,13 +167,14 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
     if up:
         ratio, why = max(up)
         return _scale_up(n, ratio), SCALE_UP, why
-    if late:
-        return (
-            n,
-            STEADY,
-            f"TTFT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.ttft_seconds)}, "
+    over = sig.latency is not None and sig.latency > obj.ttft_seconds
+    elsewhere = ""
+    if over:
+        # Late, but not for lack of prefill: say where the time goes; prefill may still shrink.
+        elsewhere = (
+            f"; TTFT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.ttft_seconds)}, "
             f"but queueing for prefill is only {queue_share:.0%} of it (decode admission "
-            f"{_ms(sig.decode_admission)}): more prefill replicas would not help",
+            f"{_ms(sig.decode_admission)}): more prefill replicas would not help"
         )
 
     def fits(m: int) -> bool:
@@ -181,16 +183,23 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
         return sig.busy / m <= PREFILL_TARGET_UTILIZATION
 
     need = _fewest(n, fits)
-    if need < n and sig.latency is not None and sig.latency > obj.ttft_seconds:
-        return n, STEADY, f"TTFT {pct} {_ms(sig.latency)} is at its objective: not scaling down"
+    if need < n and over and queue_share >= PREFILL_QUEUE_SHARE:
+        return (
+            n,
+            STEADY,
+            f"TTFT {pct} {_ms(sig.latency)} is over its objective {_ms(obj.ttft_seconds)} "
+            "(within the tolerance), mostly queueing for prefill: not scaling down",
+        )
     if need < n:
         after = sig.busy / need if need else 0.0
         return (
             need,
             SCALE_DOWN,
             f"utilization {utilization:.0%} on {n}; {need} would run at {after:.0%} "
-            f"(target {PREFILL_TARGET_UTILIZATION:.0%})",
+            f"(target {PREFILL_TARGET_UTILIZATION:.0%}){elsewhere}",
         )
+    if over:
+        return n, STEADY, f"utilization {utilization:.0%}{elsewhere}"
     return (
         n,
         STEADY,
@@ -232,13 +241,21 @@ def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[i
         ratio, why = max(up)
         return _scale_up(n, ratio), SCALE_UP, why
 
+    def tpot_on(m: int) -> float | None:
+        # Today's sequences spread over m replicas; TPOT is taken to grow in proportion to
+        # the batch above one sequence, which overstates it (a decode step has a fixed part),
+        # so this errs toward more replicas.
+        if sig.latency is None:
+            return None
+        now, after = max(sig.running / per, 1.0), max(sig.running / max(m, 1), 1.0)
+        return sig.latency * after / now
+
     def fits(m: int) -> bool:
-        # Today's load spread over m replicas; TPOT is taken to grow in proportion to the
-        # batch, which overstates it (a decode step has a fixed part), so this errs to more.
         if m == 0:
             return _idle(sig)
         scale = per / m
-        if sig.latency is not None and sig.latency * scale > obj.tpot_seconds:
+        predicted = tpot_on(m)
+        if predicted is not None and predicted > obj.tpot_seconds:
             return False
         if kv * scale > DECODE_TARGET_KV_USAGE:
             return False
@@ -250,7 +267,7 @@ def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[i
             need,
             SCALE_DOWN,
             f"{need} replicas would carry today's load: predicted TPOT {pct} "
-            f"{_ms(None if sig.latency is None else sig.latency * per / max(need, 1))} "
+            f"{_ms(tpot_on(need))} "
             f"(objective {_ms(obj.tpot_seconds)}), KV usage {kv * per / max(need, 1):.0%}",
         )
     return (
@@ -307,6 +324,8 @@ def stabilize(
             f"{reason}; scale-down waits: {floor} replicas were needed within the last "
             f"{window:.0f}s",
         )
+    if floor != want:
+        reason = f"{reason}; to {floor} first, the most recommended within the last {window:.0f}s"
     return floor, verdict, reason
 
 
@@ -353,18 +372,48 @@ def decide(
                 inputs,
             )
             continue
+        if state.ready > 0 and sig.reporting > 0 and sig.busy_series == 0:
+            decisions[pool] = Decision(
+                pool,
+                state.replicas,
+                state.replicas,
+                NO_METRICS,
+                f"the {pool} pods export no splitserve_busy_seconds_total (workers older than "
+                "this operator?): utilization cannot be measured",
+                inputs,
+            )
+            continue
+        scraped = sig.reporting
+        if 0 < scraped < state.ready:
+            # Pods Prometheus has not scraped yet carry load too: assume the scraped average.
+            f = state.ready / scraped
+            sig = replace(
+                sig, reporting=state.ready, busy=sig.busy * f, running=sig.running * f,
+                waiting=sig.waiting * f,
+            )  # fmt: skip
         recommend = recommend_prefill if pool == "prefill" else recommend_decode
         want, verdict, reason = recommend(state, sig, objectives)
         urgency[pool] = want / max(state.replicas, 1)
         want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
         history = histories.setdefault(pool, History())
-        if verdict == SCALE_UP and state.ready < state.replicas:
+        starting = state.replicas - state.ready
+        unscraped = state.ready - scraped
+        if (
+            verdict == SCALE_UP
+            and state.replicas < state.max_replicas
+            and (starting > 0 or unscraped > 0)
+        ):
+            # Pods added earlier are not measured yet: one breach must not be answered twice.
             history.add(now, min(want, state.max_replicas), window)
+            waiting_for = (
+                f"{starting} pods to become ready"
+                if starting > 0
+                else f"Prometheus to scrape {unscraped} new pods"
+            )
             want, verdict, reason = (
                 state.replicas,
                 WAITING_FOR_PODS,
-                f"{reason}; waiting for {state.replicas - state.ready} pods to become ready "
-                "before adding more",
+                f"{reason}; waiting for {waiting_for} before adding more",
             )
         else:
             want, verdict, reason = stabilize(

@@ -8,7 +8,10 @@ settings."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import datetime
+import functools
 import logging
 import threading
 import time
@@ -244,18 +247,22 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         ),
     )
 
-    def autoscale(stopped: kopf.DaemonStopped, name: str, namespace: str | None,
-                  logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
+    async def autoscale(stopped: kopf.DaemonStopped, name: str, namespace: str | None,
+                        logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
+        # Async, so a waiting daemon holds no thread: each evaluation borrows one from the
+        # executor (with kopf's context, which kopf.event needs) and gives it back.
         if not namespace:
             return
         state = ScalerState()
+        loop = asyncio.get_running_loop()
         while not stopped:
+            evaluate = functools.partial(scaler.evaluate, namespace, name, state, logger)
             try:
-                wait = scaler.evaluate(namespace, name, state, logger)
+                wait = await loop.run_in_executor(None, contextvars.copy_context().run, evaluate)
             except Exception as e:  # noqa: BLE001 - one failed evaluation must not end the daemon
                 logger.exception(f"autoscaler evaluation failed: {e}")
                 wait = 15.0
-            stopped.wait(wait)
+            await stopped.wait(wait)
 
     def builtin(spec: kopf.Spec, **_: Any) -> bool:
         return bool((spec.get("autoscaling") or {}).get("mode") == "Builtin")

@@ -105,6 +105,7 @@ class PrometheusReader:
             ps = f'{sel},pool="{pool}"'
             common: dict[str, Any] = dict(
                 reporting=int(self.value(f"count(splitserve_requests_running{{{ps}}})") or 0),
+                busy_series=int(self.value(f"count(splitserve_busy_seconds_total{{{ps}}})") or 0),
                 busy=total(f"rate(splitserve_busy_seconds_total{{{ps}}}[{w}])"),
                 running=total(f"splitserve_requests_running{{{ps}}}"),
                 waiting=total(f"splitserve_requests_waiting{{{ps}}}"),

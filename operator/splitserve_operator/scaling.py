@@ -31,7 +31,7 @@ from .kube import Kube, KubeError, Ref
 from .names import child_name, selector_labels
 from .prometheus import MetricsError, PrometheusReader
 from .reconcile import replicas_patch
-from .spec import Spec, SpecError, gpus_per_replica, parse_spec
+from .spec import Spec, SpecError, gpus_per_replica, parse_duration, parse_spec
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 SCALED_POOLS = ("prefill", "decode")
@@ -56,8 +56,10 @@ def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def window_seconds(interval: float) -> float:
-    return max(MIN_WINDOW_SECONDS, WINDOW_INTERVALS * interval)
+def window_seconds(interval: float, scrape_interval: float) -> float:
+    """Long enough to hold several evaluations and several scrapes (a rate over a window with
+    one sample is no rate)."""
+    return max(MIN_WINDOW_SECONDS, WINDOW_INTERVALS * interval, WINDOW_INTERVALS * scrape_interval)
 
 
 @dataclass
@@ -118,7 +120,11 @@ class Scaler:
             return spec.autoscaling_interval  # reconcile creates them first
         states = {pool: pool_state(spec, pool, d) for pool, d in deployments.items() if d}
         reader = PrometheusReader(url)
-        window = window_seconds(spec.autoscaling_interval)
+        try:
+            scrape = parse_duration(spec.monitoring_interval, "spec.monitoring.interval")
+        except SpecError:
+            scrape = 15.0
+        window = window_seconds(spec.autoscaling_interval, scrape)
         try:
             signals = reader.read(namespace, name, spec.percentile, window)
         except MetricsError as e:

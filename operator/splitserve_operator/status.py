@@ -182,7 +182,11 @@ def autoscaling_condition(
 
 
 def scaling_limited_condition(autoscaler: Mapping[str, Any] | None) -> tuple[bool, str, str]:
-    """True while a bound (maxReplicas, gpuBudget) holds a pool below what it needs."""
+    """True while a bound (maxReplicas, gpuBudget) holds a pool below what it needs; False
+    while the autoscaler cannot measure (its last decisions are no longer current)."""
+    state = (autoscaler or {}).get("state")
+    if state and state != "Active":
+        return False, str(state), "the autoscaler is not deciding: see the Autoscaling condition"
     limited = []
     for pool in ("prefill", "decode"):
         last = ((autoscaler or {}).get(pool) or {}).get("lastDecision") or {}

@@ -86,7 +86,7 @@ def test_prefill_scales_on_utilization_in_proportion() -> None:
 
 
 def test_prefill_ttft_breach_scales_only_when_queueing_for_prefill() -> None:
-    queued = Signals(reporting=2, busy=0.6, latency=1.5, prefill_queue=1.0)
+    queued = Signals(reporting=2, busy=1.2, latency=1.5, prefill_queue=1.0)
     d = run(pool("prefill"), pool("decode"), queued)
     # 1.5 s against 0.5 s is 3x, capped at doubling per evaluation.
     assert (d["prefill"].verdict, d["prefill"].replicas) == (SCALE_UP, 4)
@@ -144,6 +144,7 @@ def test_scale_down_goes_to_the_highest_recent_recommendation() -> None:
     d = run(pool("prefill"), decode, dsig=idle, histories=histories, now=290)["decode"]
     # The busy recommendation (4) from t=0 is still inside the 300 s window.
     assert (d.verdict, d.replicas) == (SCALE_DOWN, 4)
+    assert d.reason.endswith("; to 4 first, the most recommended within the last 300s")
     d = run(pool("prefill"), decode, dsig=idle, histories=histories, now=301)["decode"]
     assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
 
@@ -230,3 +231,64 @@ def test_gpu_budget_trims_the_less_urgent_pool_first() -> None:
     # A budget with room changes nothing.
     d = run(prefill, decode, hot_prefill, hot_decode, budget=11)
     assert (d["prefill"].replicas, d["decode"].replicas) == (3, 4)
+
+
+def watched() -> dict[str, History]:
+    """Histories of an operator that has watched a whole window of lower recommendations."""
+    out = {p: History() for p in ("prefill", "decode")}
+    for h in out.values():
+        h.add(-WINDOW - 1, 0, WINDOW)
+    return out
+
+
+def test_no_scale_to_zero_while_traffic_exists() -> None:
+    prefill = pool("prefill", 1, min_replicas=0)
+    decode = pool("decode", 1, min_replicas=0)
+    # No busy time and no latency samples, but requests are arriving or in flight.
+    for sig in (Signals(reporting=1, request_rate=0.2), Signals(reporting=1, in_flight=1)):
+        d = run(prefill, decode, sig, sig, histories=watched())
+        assert (d["prefill"].replicas, d["decode"].replicas) == (1, 1)
+    idle = Signals(reporting=1)
+    d = run(prefill, decode, idle, idle, histories=watched())
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (SCALE_DOWN, 0)
+    assert (d["decode"].verdict, d["decode"].replicas) == (SCALE_DOWN, 0)
+
+
+def test_decode_with_small_batches_scales_down_despite_a_fixed_tpot() -> None:
+    # One sequence on four pods at TPOT 40 ms: the step time is fixed cost, not batch; one pod
+    # would run the same single-sequence batch.
+    sig = Signals(reporting=4, latency=0.04, kv_usage=0.01, running=1)
+    d = run(pool("prefill"), pool("decode", 4), dsig=sig, histories=watched())["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
+    assert "predicted TPOT p95 40ms" in d.reason
+
+
+def test_prefill_late_for_another_reason_may_still_shrink() -> None:
+    sig = Signals(reporting=8, busy=0.4, latency=1.0, prefill_queue=0.01, decode_admission=0.9)
+    d = run(pool("prefill", 8), pool("decode"), sig, histories=watched())["prefill"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
+    assert "would not help" in d.reason and "900ms" in d.reason
+
+
+def test_unscraped_pods_count_as_average_and_hold_a_scale_up() -> None:
+    # 4 ready, 2 scraped: the scraped two's load is taken for all four.
+    sig = Signals(reporting=2, latency=0.2, kv_usage=0.5, running=10)
+    d = run(pool("prefill"), pool("decode", 4), dsig=sig)["decode"]
+    assert (d.verdict, d.replicas) == (WAITING_FOR_PODS, 4)
+    assert "waiting for Prometheus to scrape 2 new pods" in d.reason
+    assert d.inputs["reportingPods"] == 2
+    # At maxReplicas there is nothing to wait for: the bound is what holds it.
+    d = run(pool("prefill"), pool("decode", 4, max_replicas=4), dsig=sig)["decode"]
+    assert d.verdict == AT_MAX
+    # Scale-down sizes for the extrapolated load: 2 pods at 20 running each is 40 in all,
+    # which needs two 32-slot pods, not one.
+    low = Signals(reporting=2, latency=0.01, kv_usage=0.1, running=20)
+    d = run(pool("prefill"), pool("decode", 4), dsig=low, histories=watched())["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 2)
+
+
+def test_workers_without_busy_seconds_hold() -> None:
+    sig = Signals(reporting=2, busy_series=0, latency=0.1)
+    d = run(pool("prefill"), pool("decode"), sig)["prefill"]
+    assert (d.verdict, d.replicas) == (NO_METRICS, 2)
+    assert "splitserve_busy_seconds_total" in d.reason

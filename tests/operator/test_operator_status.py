@@ -329,6 +329,10 @@ def test_scaling_limited_names_the_bound() -> None:
     c = conds(status(ALL_READY, spec=spec_in("Builtin"), autoscaler=limited))["ScalingLimited"]
     assert (c["status"], c["reason"]) == ("True", "AtMaxReplicas")
     assert c["message"] == "decode: TPOT ...; maxReplicas 8"
+    # When it can no longer measure, the old AtMaxReplicas is history, not a current limit.
+    stale = {**limited, "state": "MetricsUnavailable"}
+    c = conds(status(ALL_READY, spec=spec_in("Builtin"), autoscaler=stale))["ScalingLimited"]
+    assert (c["status"], c["reason"]) == ("False", "MetricsUnavailable")
     free = {"state": "Active", "decode": {"lastDecision": {"verdict": "ScaleUp"}}}
     c = conds(status(ALL_READY, spec=spec_in("Builtin"), autoscaler=free))["ScalingLimited"]
     assert (c["status"], c["reason"]) == ("False", "WithinLimits")
