@@ -35,6 +35,7 @@ SCALE_DOWN = "ScaleDown"
 STEADY = "Steady"
 STABILIZING = "Stabilizing"
 WAITING_FOR_PODS = "WaitingForPods"
+SETTLING = "Settling"
 NO_METRICS = "NoMetrics"
 AT_MAX = "AtMaxReplicas"
 AT_MIN = "AtMinReplicas"
@@ -71,8 +72,9 @@ class Signals:
     prefill_queue: float | None = None  # TTFT stage percentiles, at the router
     decode_admission: float | None = None
     busy: float = 0.0  # sum over pods of busy seconds per second
-    running: float = 0.0
-    waiting: float = 0.0
+    running: float = 0.0  # now
+    waiting: float = 0.0  # now
+    mean_running: float | None = None  # averaged over the window (None: not asked)
     kv_usage: float | None = None  # mean over pods
     request_rate: float = 0.0  # requests per second finishing at the router
     in_flight: float = 0.0  # requests the router serves now
@@ -169,8 +171,8 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
         return _scale_up(n, ratio), SCALE_UP, why
     over = sig.latency is not None and sig.latency > obj.ttft_seconds
     elsewhere = ""
-    if over:
-        # Late, but not for lack of prefill: say where the time goes; prefill may still shrink.
+    if over and queue_share < PREFILL_QUEUE_SHARE:
+        # Late, but not for lack of prefill: say where the time goes.
         elsewhere = (
             f"; TTFT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.ttft_seconds)}, "
             f"but queueing for prefill is only {queue_share:.0%} of it (decode admission "
@@ -183,12 +185,15 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
         return sig.busy / m <= PREFILL_TARGET_UTILIZATION
 
     need = _fewest(n, fits)
-    if need < n and over and queue_share >= PREFILL_QUEUE_SHARE:
+    if need < n and over:
+        # Whatever makes TTFT late, fewer prefill replicas would only add queueing to it (and
+        # shrinking on utilization here and growing on queueing there would flap). Decode's
+        # own signals fix a decode-side cause; prefill shrinks once TTFT is back.
         return (
             n,
             STEADY,
-            f"TTFT {pct} {_ms(sig.latency)} is over its objective {_ms(obj.ttft_seconds)} "
-            "(within the tolerance), mostly queueing for prefill: not scaling down",
+            f"utilization {utilization:.0%}{elsewhere}; not scaling prefill down while TTFT "
+            f"{pct} {_ms(sig.latency)} misses its objective {_ms(obj.ttft_seconds)}",
         )
     if need < n:
         after = sig.busy / need if need else 0.0
@@ -196,7 +201,7 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
             need,
             SCALE_DOWN,
             f"utilization {utilization:.0%} on {n}; {need} would run at {after:.0%} "
-            f"(target {PREFILL_TARGET_UTILIZATION:.0%}){elsewhere}",
+            f"(target {PREFILL_TARGET_UTILIZATION:.0%})",
         )
     if over:
         return n, STEADY, f"utilization {utilization:.0%}{elsewhere}"
@@ -241,13 +246,17 @@ def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[i
         ratio, why = max(up)
         return _scale_up(n, ratio), SCALE_UP, why
 
+    # The sequences to place: the larger of now and the window's mean, so one quiet scrape
+    # does not stand for the window whose TPOT was measured.
+    load = max(sig.running, sig.mean_running or 0.0) + sig.waiting
+
     def tpot_on(m: int) -> float | None:
         # Today's sequences spread over m replicas; TPOT is taken to grow in proportion to
         # the batch above one sequence, which overstates it (a decode step has a fixed part),
         # so this errs toward more replicas.
         if sig.latency is None:
             return None
-        now, after = max(sig.running / per, 1.0), max(sig.running / max(m, 1), 1.0)
+        now, after = max(load / per, 1.0), max(load / max(m, 1), 1.0)
         return sig.latency * after / now
 
     def fits(m: int) -> bool:
@@ -259,7 +268,7 @@ def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[i
             return False
         if kv * scale > DECODE_TARGET_KV_USAGE:
             return False
-        return not (state.max_batch_size and (sig.running + sig.waiting) / m > state.max_batch_size)
+        return not (state.max_batch_size and load / m > state.max_batch_size)
 
     need = _fewest(n, fits)
     if need < n:
@@ -285,6 +294,7 @@ class History:
 
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     since: float | None = None
+    last_scale_up: float | None = None
 
     def add(self, now: float, replicas: int, window: float) -> None:
         if self.since is None:
@@ -324,8 +334,10 @@ def stabilize(
             f"{reason}; scale-down waits: {floor} replicas were needed within the last "
             f"{window:.0f}s",
         )
-    if floor != want:
+    if floor > want:
         reason = f"{reason}; to {floor} first, the most recommended within the last {window:.0f}s"
+    elif floor < want:
+        reason = f"{reason}; to {floor}, its maxReplicas"
     return floor, verdict, reason
 
 
@@ -333,7 +345,7 @@ def bound(state: PoolState, want: int, verdict: str, reason: str) -> tuple[int, 
     """Clamp to [minReplicas, maxReplicas]; the verdict says when a bound decided."""
     low, high = state.min_replicas, state.max_replicas
     if want > high:
-        if verdict == SCALE_UP:
+        if verdict == SCALE_UP and state.replicas <= high:
             return high, AT_MAX, f"{reason}; limited by maxReplicas {high}"
         want = high
     want = max(want, low)
@@ -354,8 +366,11 @@ def decide(
     now: float,
     window: float,
     gpu_budget: int | None = None,
+    settle: float = 0.0,
 ) -> dict[str, Decision]:
-    """One evaluation for both pools: replicas, verdict and reason each."""
+    """One evaluation for both pools: replicas, verdict and reason each. window: the
+    scale-down stabilization; settle: how long after a scale-up the signals still describe
+    the pool before it (their rate window), during which it does not scale up again."""
     decisions: dict[str, Decision] = {}
     urgency: dict[str, float] = {}
     for pool, state in states.items():
@@ -365,21 +380,28 @@ def decide(
             decisions[pool] = Decision(
                 pool,
                 state.replicas,
-                state.replicas,
-                NO_METRICS,
-                f"{state.ready} pods are ready but Prometheus has no splitserve_requests_running "
-                f"series for the {pool} pool: is it scraping them?",
+                *bound(
+                    state,
+                    state.replicas,
+                    NO_METRICS,
+                    f"{state.ready} pods are ready but Prometheus has no "
+                    f"splitserve_requests_running series for the {pool} pool: is it scraping them?",
+                ),
                 inputs,
             )
             continue
-        if state.ready > 0 and sig.reporting > 0 and sig.busy_series == 0:
+        if pool == "prefill" and sig.busy_series is not None and sig.busy_series < sig.reporting:
             decisions[pool] = Decision(
                 pool,
                 state.replicas,
-                state.replicas,
-                NO_METRICS,
-                f"the {pool} pods export no splitserve_busy_seconds_total (workers older than "
-                "this operator?): utilization cannot be measured",
+                *bound(
+                    state,
+                    state.replicas,
+                    NO_METRICS,
+                    f"{sig.reporting - sig.busy_series} of {sig.reporting} prefill pods export no "
+                    "splitserve_busy_seconds_total (workers older than this operator?): "
+                    "utilization cannot be measured",
+                ),
                 inputs,
             )
             continue
@@ -390,6 +412,7 @@ def decide(
             sig = replace(
                 sig, reporting=state.ready, busy=sig.busy * f, running=sig.running * f,
                 waiting=sig.waiting * f,
+                mean_running=None if sig.mean_running is None else sig.mean_running * f,
             )  # fmt: skip
         recommend = recommend_prefill if pool == "prefill" else recommend_decode
         want, verdict, reason = recommend(state, sig, objectives)
@@ -415,6 +438,19 @@ def decide(
                 WAITING_FOR_PODS,
                 f"{reason}; waiting for {waiting_for} before adding more",
             )
+        elif (
+            verdict == SCALE_UP
+            and state.replicas < state.max_replicas
+            and history.last_scale_up is not None
+            and now - history.last_scale_up < settle
+        ):
+            history.add(now, min(want, state.max_replicas), window)
+            want, verdict, reason = (
+                state.replicas,
+                SETTLING,
+                f"{reason}; the last scale-up {now - history.last_scale_up:.0f}s ago is not in "
+                f"the {settle:.0f}s of metrics yet: not adding more before it is",
+            )
         else:
             want, verdict, reason = stabilize(
                 state.replicas, want, verdict, reason, history, now, window, state.max_replicas
@@ -423,6 +459,9 @@ def decide(
         decisions[pool] = Decision(pool, state.replicas, want, verdict, reason, inputs)
     if gpu_budget is not None:
         decisions = _within_budget(states, decisions, urgency, gpu_budget)
+    for pool, d in decisions.items():
+        if d.replicas > d.current:
+            histories.setdefault(pool, History()).last_scale_up = now
     return decisions
 
 
@@ -443,7 +482,8 @@ def _within_budget(
     for pool in growing:
         d = out[pool]
         gpus = states[pool].gpus_per_replica
-        while d.replicas > d.current and used_with(out, states, pool, d.replicas) > budget:
+        floor = max(d.current, states[pool].min_replicas)
+        while d.replicas > floor and used_with(out, states, pool, d.replicas) > budget:
             d = replace(d, replicas=d.replicas - 1)
         if d.replicas != out[pool].replicas:
             d = replace(

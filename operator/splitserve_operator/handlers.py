@@ -9,6 +9,7 @@ settings."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import datetime
 import functools
@@ -32,6 +33,8 @@ from .status import compute_status, invalid_status, pod_trouble
 MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
 MONITORING_PLURALS = ("servicemonitors", "podmonitors")
 MONITORING_TTL_SECONDS = 60.0
+# Threads for autoscaler evaluations (each a few Prometheus queries and API calls).
+AUTOSCALER_THREADS = 4
 
 log = logging.getLogger("splitserve.operator")
 
@@ -247,18 +250,30 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         ),
     )
 
+    # Evaluations run here, not in kopf's handler threads: a slow Prometheus delays only the
+    # autoscaler, and many autoscaled LLMServices never starve reconciles.
+    evaluations = concurrent.futures.ThreadPoolExecutor(
+        max_workers=AUTOSCALER_THREADS, thread_name_prefix="autoscaler"
+    )
+
     async def autoscale(stopped: kopf.DaemonStopped, name: str, namespace: str | None,
                         logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
-        # Async, so a waiting daemon holds no thread: each evaluation borrows one from the
-        # executor (with kopf's context, which kopf.event needs) and gives it back.
+        # Async, so a waiting daemon holds no thread; each evaluation borrows one, with kopf's
+        # context (kopf.event needs it).
         if not namespace:
             return
         state = ScalerState()
         loop = asyncio.get_running_loop()
         while not stopped:
             evaluate = functools.partial(scaler.evaluate, namespace, name, state, logger)
+            future = loop.run_in_executor(evaluations, contextvars.copy_context().run, evaluate)
             try:
-                wait = await loop.run_in_executor(None, contextvars.copy_context().run, evaluate)
+                wait = await asyncio.shield(future)
+            except asyncio.CancelledError:
+                # kopf is stopping the daemon (deletion, mode change, exit): let an evaluation
+                # that may be scaling finish before the finalizer goes.
+                await asyncio.wait([future])
+                raise
             except Exception as e:  # noqa: BLE001 - one failed evaluation must not end the daemon
                 logger.exception(f"autoscaler evaluation failed: {e}")
                 wait = 15.0

@@ -108,6 +108,9 @@ class PrometheusReader:
                 busy_series=int(self.value(f"count(splitserve_busy_seconds_total{{{ps}}})") or 0),
                 busy=total(f"rate(splitserve_busy_seconds_total{{{ps}}}[{w}])"),
                 running=total(f"splitserve_requests_running{{{ps}}}"),
+                mean_running=total(
+                    f"avg_over_time(sum(splitserve_requests_running{{{ps}}})[{w}:])"
+                ),
                 waiting=total(f"splitserve_requests_waiting{{{ps}}}"),
                 request_rate=request_rate,
                 in_flight=in_flight,

@@ -140,6 +140,7 @@ class Scaler:
             self.clock(),
             spec.scale_down_stabilization,
             spec.gpu_budget,
+            settle=window,
         )
         scaled: dict[str, str] = {}
         for pool, decision in decisions.items():
