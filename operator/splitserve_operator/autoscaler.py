@@ -36,6 +36,7 @@ STEADY = "Steady"
 STABILIZING = "Stabilizing"
 WAITING_FOR_PODS = "WaitingForPods"
 SETTLING = "Settling"
+ROLLING_OUT = "RollingOut"
 NO_METRICS = "NoMetrics"
 AT_MAX = "AtMaxReplicas"
 AT_MIN = "AtMinReplicas"
@@ -61,6 +62,7 @@ class PoolState:
     max_replicas: int
     gpus_per_replica: int = 0
     max_batch_size: int = 0  # decode: sequences per iteration per replica
+    rolling_out: bool = False  # a new pod template is replacing the pods
 
 
 @dataclass(frozen=True)
@@ -454,6 +456,13 @@ def decide(
         else:
             want, verdict, reason = stabilize(
                 state.replicas, want, verdict, reason, history, now, window, state.max_replicas
+            )
+        if verdict == SCALE_DOWN and state.rolling_out:
+            # Restarting pods skew every signal, and the ReplicaSets are busy: shrink after.
+            want, verdict, reason = (
+                state.replicas,
+                ROLLING_OUT,
+                f"{reason}; not scaling down while a rollout replaces the pods",
             )
         want, verdict, reason = bound(state, want, verdict, reason)
         decisions[pool] = Decision(pool, state.replicas, want, verdict, reason, inputs)

@@ -252,12 +252,20 @@ def pool_state(spec: Spec, pool: str, deployment: dict[str, Any]) -> PoolState:
     bounds = settings.bounds
     assert bounds is not None  # parse_spec requires them in mode Builtin
     replicas = int((deployment.get("spec") or {}).get("replicas", settings.replicas))
+    status = deployment.get("status") or {}
+    generation = int((deployment.get("metadata") or {}).get("generation") or 0)
+    rolling_out = (
+        int(status.get("observedGeneration") or 0) < generation
+        or int(status.get("updatedReplicas") or 0) < replicas
+        or int(status.get("replicas") or 0) > replicas  # old pods still terminating or surging
+    )
     return PoolState(
         name=pool,
         replicas=replicas,
-        ready=int((deployment.get("status") or {}).get("readyReplicas") or 0),
+        ready=int(status.get("readyReplicas") or 0),
         min_replicas=bounds.min_replicas,
         max_replicas=bounds.max_replicas,
         gpus_per_replica=gpus_per_replica(settings),
         max_batch_size=int(settings.settings.get("maxBatchSize", 0)),
+        rolling_out=rolling_out,
     )

@@ -354,3 +354,15 @@ def test_workers_without_busy_seconds_hold_prefill_only() -> None:
     assert (d["prefill"].verdict, d["prefill"].replicas) == (NO_METRICS, 2)
     assert "splitserve_busy_seconds_total" in d["prefill"].reason
     assert d["decode"].verdict == STEADY  # decode is not sized on busy time
+
+
+def test_no_scale_down_during_a_rollout() -> None:
+    idle = Signals(reporting=4, latency=0.005, kv_usage=0.05, running=1)
+    rolling = replace(pool("decode", 4), rolling_out=True)
+    d = run(pool("prefill"), rolling, dsig=idle, histories=watched())["decode"]
+    assert (d.verdict, d.replicas) == ("RollingOut", 4)
+    assert "not scaling down while a rollout replaces the pods" in d.reason
+    # Scale-up is not held: a rollout under load still gets capacity.
+    hot = Signals(reporting=4, latency=0.2, kv_usage=0.5, running=10)
+    d = run(pool("prefill"), rolling, dsig=hot)["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_UP, 8)
