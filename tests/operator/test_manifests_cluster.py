@@ -70,10 +70,14 @@ spec:
         assert bad.returncode != 0
         assert 'violates PodSecurity "restricted' in bad.stderr
     finally:
+        # Everything but the CRDs: every test shares them, and deleting one waits on (and can
+        # be held in Terminating by) LLMServices other tests still have.
         cp.kubectl(
             "delete",
-            "-k",
-            str(repo_root / "manifests"),
+            "-f",
+            str(repo_root / "manifests" / "operator.yaml"),
+            "-f",
+            str(repo_root / "manifests" / "namespace.yaml"),
             "--wait=false",
             "--ignore-not-found",
             check=False,
