@@ -43,6 +43,12 @@ AT_MIN = "AtMinReplicas"
 GPU_BUDGET = "GPUBudget"
 LIMITED = frozenset({AT_MAX, GPU_BUDGET})
 
+# The autoscaler's own state (status.autoscaler.state, scaling.py), read by the Autoscaling
+# condition (status.py).
+ACTIVE = "Active"
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+NO_METRICS_SOURCE = "NoMetricsSource"
+
 
 @dataclass(frozen=True)
 class Objectives:
@@ -140,10 +146,8 @@ def _from_zero(state: PoolState, sig: Signals) -> tuple[int, str, str] | None:
 
 
 def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[int, str, str]:
-    """(replicas, verdict, reason) before bounds, stabilization and the GPU budget."""
-    zero = _from_zero(state, sig)
-    if zero:
-        return zero
+    """(replicas, verdict, reason) of a pool with replicas, before bounds, stabilization and
+    the GPU budget."""
     n = state.replicas
     per = max(sig.reporting, 1)
     utilization = sig.busy / per
@@ -215,9 +219,6 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
 
 
 def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[int, str, str]:
-    zero = _from_zero(state, sig)
-    if zero:
-        return zero
     n = state.replicas
     per = max(sig.reporting, 1)
     pct = f"p{obj.percentile:g}"
@@ -417,7 +418,7 @@ def decide(
                 mean_running=None if sig.mean_running is None else sig.mean_running * f,
             )  # fmt: skip
         recommend = recommend_prefill if pool == "prefill" else recommend_decode
-        want, verdict, reason = recommend(state, sig, objectives)
+        want, verdict, reason = _from_zero(state, sig) or recommend(state, sig, objectives)
         urgency[pool] = want / max(state.replicas, 1)
         want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
         history = histories.setdefault(pool, History())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import datetime
 import functools
 import logging
 import threading
@@ -28,7 +27,7 @@ from .names import MANAGED_BY, child_name, selector_labels
 from .reconcile import apply_children
 from .scaling import Scaler, ScalerState
 from .spec import POOLS, Spec, SpecError, parse_spec
-from .status import compute_status, invalid_status, pod_trouble
+from .status import compute_status, invalid_status, now_rfc3339, pod_trouble
 
 MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
 MONITORING_PLURALS = ("servicemonitors", "podmonitors")
@@ -37,10 +36,6 @@ MONITORING_TTL_SECONDS = 60.0
 AUTOSCALER_THREADS = 4
 
 log = logging.getLogger("splitserve.operator")
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Operator:

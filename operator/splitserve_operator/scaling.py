@@ -10,7 +10,6 @@ on SIGTERM (it takes no new work and finishes what it has within terminationGrac
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +18,10 @@ from typing import Any
 
 from . import GROUP, VERSION
 from .autoscaler import (
+    ACTIVE,
     LIMITED,
+    METRICS_UNAVAILABLE,
+    NO_METRICS_SOURCE,
     Decision,
     History,
     Objectives,
@@ -32,6 +34,7 @@ from .names import child_name, selector_labels
 from .prometheus import MetricsError, PrometheusReader
 from .reconcile import replicas_patch
 from .spec import Spec, SpecError, gpus_per_replica, parse_duration, parse_spec
+from .status import now_rfc3339
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 SCALED_POOLS = ("prefill", "decode")
@@ -43,17 +46,8 @@ MIN_WINDOW_SECONDS = 30.0
 # inputs move every evaluation; status need not).
 REFRESH_SECONDS = 60.0
 
-# Autoscaler states (status.autoscaler.state), read by status.autoscaling_condition.
-ACTIVE = "Active"
-METRICS_UNAVAILABLE = "MetricsUnavailable"
-NO_METRICS_SOURCE = "NoMetricsSource"
-
 # (body, type, reason, message) -> None: posts an Event on the LLMService.
 Emit = Callable[[dict[str, Any], str, str, str], None]
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def window_seconds(interval: float, scrape_interval: float) -> float:

@@ -1,15 +1,22 @@
 """LLMService status from what the cluster reports: per-pool replica counts from the Deployments,
 and Ready / Progressing / Degraded conditions in metav1.Condition shape, whose
 lastTransitionTime moves only when a condition's status changes. Pure: handlers.py supplies the
-live Deployments and the clock."""
+live Deployments and the clock (now_rfc3339)."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .autoscaler import ACTIVE, LIMITED
 from .spec import POOLS, Spec
+
+
+def now_rfc3339() -> str:
+    """The clock in the format of status timestamps (metav1.Time, whole seconds)."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -178,19 +185,19 @@ def autoscaling_condition(
     message = str((autoscaler or {}).get("message") or "")
     if not state:
         return None, "Starting", "the built-in autoscaler has not evaluated yet"
-    return state == "Active", str(state), message
+    return state == ACTIVE, str(state), message
 
 
 def scaling_limited_condition(autoscaler: Mapping[str, Any] | None) -> tuple[bool, str, str]:
     """True while a bound (maxReplicas, gpuBudget) holds a pool below what it needs; False
     while the autoscaler cannot measure (its last decisions are no longer current)."""
     state = (autoscaler or {}).get("state")
-    if state and state != "Active":
+    if state and state != ACTIVE:
         return False, str(state), "the autoscaler is not deciding: see the Autoscaling condition"
     limited = []
     for pool in ("prefill", "decode"):
         last = ((autoscaler or {}).get(pool) or {}).get("lastDecision") or {}
-        if last.get("verdict") in ("AtMaxReplicas", "GPUBudget"):
+        if last.get("verdict") in LIMITED:
             limited.append((pool, str(last["verdict"]), str(last.get("reason", ""))))
     if not limited:
         return False, "WithinLimits", "no pool is held below what the autoscaler wants"

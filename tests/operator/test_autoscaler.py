@@ -43,6 +43,14 @@ def steady_decode(pods: int) -> Signals:
     return Signals(reporting=pods, latency=0.03, kv_usage=0.3, running=10 * pods)
 
 
+def watched() -> dict[str, History]:
+    """Histories of an operator that has watched a whole window of lower recommendations."""
+    out = {p: History() for p in ("prefill", "decode")}
+    for h in out.values():
+        h.add(-WINDOW - 1, 0, WINDOW)
+    return out
+
+
 def run(
     prefill: PoolState,
     decode: PoolState,
@@ -134,8 +142,7 @@ def test_scale_down_waits_for_a_whole_stabilization_window() -> None:
 
 
 def test_scale_down_goes_to_the_highest_recent_recommendation() -> None:
-    histories = {"decode": History()}
-    histories["decode"].add(-WINDOW - 1, 6, WINDOW)  # the operator has watched a whole window
+    histories = watched()
     decode = pool("decode", 6)
     busy = Signals(reporting=6, latency=0.03, kv_usage=0.4, running=60)  # 4 keep TPOT <= 50 ms
     idle = Signals(reporting=6, latency=0.005, kv_usage=0.05, running=3)  # 1 would do
@@ -150,8 +157,7 @@ def test_scale_down_goes_to_the_highest_recent_recommendation() -> None:
 
 
 def test_scale_down_keeps_enough_for_the_predicted_load() -> None:
-    histories = {"decode": History()}
-    histories["decode"].add(-WINDOW - 1, 1, WINDOW)  # the operator has watched a whole window
+    histories = watched()
     # 4 pods, TPOT 20 ms: on 2 pods the same load predicts 40 ms (<= 50), on 1 pod 80 ms.
     sig = Signals(reporting=4, latency=0.02, kv_usage=0.1, running=20)
     d = run(pool("prefill"), pool("decode", 4), dsig=sig, histories=histories)["decode"]
@@ -160,8 +166,7 @@ def test_scale_down_keeps_enough_for_the_predicted_load() -> None:
 
 
 def test_prefill_scale_down_never_breaks_the_utilization_target() -> None:
-    histories = {"prefill": History()}
-    histories["prefill"].add(-WINDOW - 1, 1, WINDOW)
+    histories = watched()
     sig = Signals(reporting=5, busy=1.3, latency=0.2, prefill_queue=0.01)
     d = run(pool("prefill", 5), pool("decode"), sig, histories=histories)["prefill"]
     assert (d.verdict, d.replicas) == (SCALE_DOWN, 2)  # 1.3 / 2 = 65% <= 70%
@@ -173,8 +178,7 @@ def test_bounds_and_min_replicas() -> None:
     d = run(pool("prefill"), pool("decode", 8), dsig=hot)["decode"]
     assert (d.verdict, d.replicas) == (AT_MAX, 8)
     assert "limited by maxReplicas 8" in d.reason
-    histories = {"decode": History()}
-    histories["decode"].add(-WINDOW - 1, 0, WINDOW)
+    histories = watched()
     idle = Signals(reporting=2, latency=None, kv_usage=0.0)
     d = run(pool("prefill"), pool("decode", 2, min_replicas=2), dsig=idle, histories=histories)
     assert (d["decode"].verdict, d["decode"].replicas) == (AT_MIN, 2)
@@ -184,8 +188,7 @@ def test_bounds_and_min_replicas() -> None:
 
 
 def test_wanting_more_than_max_does_not_block_a_later_scale_down() -> None:
-    histories = {"decode": History()}
-    histories["decode"].add(-WINDOW - 1, 4, WINDOW)
+    histories = watched()
     decode = pool("decode", 4, max_replicas=4)
     hot = Signals(reporting=4, latency=0.2, kv_usage=0.5, running=10)  # wants 8
     assert run(pool("prefill"), decode, dsig=hot, histories=histories)["decode"].verdict == AT_MAX
@@ -231,14 +234,6 @@ def test_gpu_budget_trims_the_less_urgent_pool_first() -> None:
     # A budget with room changes nothing.
     d = run(prefill, decode, hot_prefill, hot_decode, budget=11)
     assert (d["prefill"].replicas, d["decode"].replicas) == (3, 4)
-
-
-def watched() -> dict[str, History]:
-    """Histories of an operator that has watched a whole window of lower recommendations."""
-    out = {p: History() for p in ("prefill", "decode")}
-    for h in out.values():
-        h.add(-WINDOW - 1, 0, WINDOW)
-    return out
 
 
 def test_no_scale_to_zero_while_traffic_exists() -> None:
