@@ -168,13 +168,19 @@ class Component:
 
 
 def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child if the Python process that started it dies (Linux)."""
+    """preexec_fn: SIGTERM this child if the Python process that started it dies (Linux).
+    Only used where setpriv is missing: running Python between fork and exec in a process whose
+    gRPC threads hold locks can kill the child before it execs (seen as a component that "exited
+    at start" with an empty log)."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+SETPRIV = shutil.which("setpriv")
 
 
 def group_alive(pgid: int) -> bool:
@@ -257,8 +263,10 @@ class ControlPlane:
                 return self
             except PlaneError as e:
                 # Ports are picked free before a component binds them, so another process can
-                # grab one in between; start over once on fresh ports and fresh data.
-                if attempt == 2 or "address already in use" not in str(e):
+                # grab one in between; and a component can die before it logs anything. Start
+                # over once on fresh ports and fresh data.
+                transient = "address already in use" in str(e) or "exited at start" in str(e)
+                if attempt == 2 or not transient:
                     self.stop()
                     raise
                 self._kill_components()
@@ -326,14 +334,22 @@ class ControlPlane:
     def _spawn(self, name: str, args: Sequence[str]) -> Component:
         log = self.logs / f"{name}.log"
         out: IO[bytes] = log.open("ab")
+        argv = [str(self.bin_dir / args[0]), *args[1:]]
+        preexec = None
+        if self.die_with_parent and SETPRIV:
+            # setpriv sets the parent-death signal and execs the component: no Python code runs
+            # in the forked child.
+            argv = [SETPRIV, "--pdeathsig", "TERM", "--", *argv]
+        elif self.die_with_parent:
+            preexec = _die_with_parent
         proc = subprocess.Popen(
-            [str(self.bin_dir / args[0]), *args[1:]],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=self.workdir,
             start_new_session=True,  # own process group: stop() kills it and its children
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=preexec,
         )
         out.close()
         comp = Component(name, proc, log)
@@ -344,7 +360,7 @@ class ControlPlane:
         while time.monotonic() < deadline:
             if comp.proc.poll() is not None:
                 raise PlaneError(
-                    f"{comp.name} exited with status {comp.proc.returncode}; "
+                    f"{comp.name} exited at start with status {comp.proc.returncode}; "
                     f"last lines of {comp.log}:\n{tail(comp.log)}"
                 )
             if ready():
@@ -471,7 +487,10 @@ class ControlPlane:
             sched, lambda: _http_ok(f"https://127.0.0.1:{sched_port}/healthz", insecure), deadline
         )
         if kwok.proc.poll() is not None:
-            raise PlaneError(f"kwok exited at start; last lines of {kwok.log}:\n{tail(kwok.log)}")
+            raise PlaneError(
+                f"kwok exited at start with status {kwok.proc.returncode}; "
+                f"last lines of {kwok.log}:\n{tail(kwok.log)}"
+            )
 
     def _create_nodes(self) -> None:
         core = self.core_v1()

@@ -30,7 +30,7 @@ def test_dying_component_is_reported_with_its_log(tmp_path: Path) -> None:
     cp = plane.ControlPlane(bin_dir=bin_dir, workdir=tmp_path / "work")
     with pytest.raises(plane.PlaneError) as err:
         cp.start(timeout=30)
-    assert "etcd exited with status 2" in str(err.value)
+    assert "etcd exited at start with status 2" in str(err.value)
     assert "bad flag --frobnicate" in str(err.value)
     assert cp.components == []
 
@@ -62,16 +62,25 @@ def test_negative_node_count_is_rejected(tmp_path: Path) -> None:
         plane.ControlPlane(bin_dir=tmp_path, nodes=-1)
 
 
-def test_port_taken_between_pick_and_bind_is_retried_once(tmp_path: Path) -> None:
-    # First run: pretends its port was taken. Second run: serves /health on the given port.
+@pytest.mark.parametrize(
+    "first_run",
+    [
+        'sys.exit("listen tcp 127.0.0.1:1234: bind: address already in use")',
+        "os._exit(1)  # dies before it logs a line",
+    ],
+    ids=["port-taken", "silent-exit"],
+)
+def test_component_dying_at_start_is_retried_once(tmp_path: Path, first_run: str) -> None:
+    # First run: fails (its port was taken, or it dies silently). Second run: serves /health
+    # on the given port.
     runs = tmp_path / "etcd-runs"
     etcd = f"""#!{sys.executable}
-import http.server, sys
+import http.server, os, sys
 from pathlib import Path
 runs = Path({str(runs)!r})
 runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
 if len(runs.read_text()) == 1:
-    sys.exit("listen tcp 127.0.0.1:1234: bind: address already in use")
+    {first_run}
 url = next(a for a in sys.argv if a.startswith("--listen-client-urls="))
 port = int(url.rsplit(":", 1)[1])
 class Health(http.server.BaseHTTPRequestHandler):
@@ -83,7 +92,7 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
     bin_dir = fake_bin_dir(tmp_path, etcd)
     cp = plane.ControlPlane(bin_dir=bin_dir, workdir=tmp_path / "work")
-    with pytest.raises(plane.PlaneError, match="kube-apiserver exited with status 3"):
+    with pytest.raises(plane.PlaneError, match="kube-apiserver exited at start with status 3"):
         cp.start(timeout=30)
-    assert runs.read_text() == "xx", "etcd is started again after the port clash"
+    assert runs.read_text() == "xx", "etcd is started again after its first start failed"
     assert cp.components == []
