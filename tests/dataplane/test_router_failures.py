@@ -358,3 +358,68 @@ def test_colocated_request_larger_than_the_cache_is_refused(
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] is None
+
+
+def test_worker_leaving_discovery_mid_stream_finishes_its_streams(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any, tmp_path: Path
+) -> None:
+    """Scale-down as local mode's autoscaler (and a Kubernetes pod leaving DNS) does it: the
+    decode worker is removed from discovery and sent SIGTERM while it serves a stream. The
+    stream must finish (the router keeps the worker's channel for it), new requests go to the
+    worker added in its place, and the drained worker exits 0."""
+    prefill = launch_worker("prefill", worker_flags(tiny_model))
+    old = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "128"), name="old")
+    workers_file = tmp_path / "workers.json"
+
+    def publish(decode: list[str]) -> None:
+        tmp = workers_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"prefill": [prefill.endpoint], "decode": decode}))
+        tmp.replace(workers_file)
+
+    publish([old.endpoint])
+    router = launch_worker(
+        "router",
+        router_args(tiny_model, "--workers-file", str(workers_file), "--debug-endpoints"),
+    )
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    new = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "128"), name="new")
+
+    def decode_endpoints() -> list[str]:
+        workers = httpx.get(base + "/debug/workers", timeout=WAIT_S).json()
+        return [w["endpoint"] for w in workers["decode"]]
+
+    body = {"prompt": "keep going", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    events: list[Any] = []
+    with (
+        httpx.Client(timeout=httpx.Timeout(WAIT_S)) as client,
+        client.stream("POST", base + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for event in sse_events(r):
+            events.append(event)
+            if len(events) == 3:
+                publish([new.endpoint])
+                deadline = time.monotonic() + WAIT_S
+                while decode_endpoints() != [new.endpoint] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert decode_endpoints() == [new.endpoint]
+                old.proc.send_signal(signal.SIGTERM)
+                # A request made now is served by the new worker while the old one drains.
+                other = httpx.post(
+                    base + "/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True},
+                    timeout=WAIT_S,
+                )
+                assert other.status_code == 200, other.text
+                assert other.json()["usage"]["completion_tokens"] == 4
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert errors == []
+    assert events[-1] == "[DONE]"
+    tokens = [e for e in events if isinstance(e, dict) and e["choices"][0]["text"] is not None]
+    finished = [
+        e["choices"][0]["finish_reason"] for e in tokens if e["choices"][0]["finish_reason"]
+    ]
+    assert finished == ["length"]
+    assert old.proc.wait(timeout=WAIT_S) == 0, old.log()[-2000:]
+    assert load(new.endpoint, "decode").free_blocks == load(new.endpoint, "decode").total_blocks

@@ -42,3 +42,37 @@ def test_missing_model_and_bad_endpoint_and_config_exit_2(
     config.write_text("router:\n  max_request_bytes: 0\n")
     assert main(["router", "--model", str(tmp_path), "--config", str(config)]) == 2
     assert "router.max_request_bytes: 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "workers file {path}: No such file or directory"),
+        ("{not json", "workers file {path}: not JSON"),
+        ('["a:1"]', "workers file {path}: must be an object"),
+        ('{"prefil": ["a:1"]}', "workers file {path}: unknown role 'prefil'"),
+        ('{"decode": "a:1"}', "workers file {path}: decode must be a list of host:port strings"),
+        ('{"decode": ["a"]}', "workers file {path}: decode: endpoint 'a' is not host:port"),
+    ],
+    ids=["missing", "not-json", "not-object", "unknown-role", "not-list", "bad-endpoint"],
+)
+def test_bad_workers_file_exits_2_naming_it(
+    content: str | None, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    path = tmp_path / "workers.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["router", "--model", str(tmp_path), "--workers-file", str(path)]) == 2
+    assert f"splitserve router: {message.format(path=path)}" in capsys.readouterr().err
+
+
+def test_workers_file_and_endpoint_flags_are_exclusive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    path = tmp_path / "workers.json"
+    path.write_text('{"prefill": ["a:1"], "decode": ["b:1"]}')
+    args = ["router", "--model", str(tmp_path), "--workers-file", str(path), "--decode", "b:1"]
+    assert main(args) == 2
+    assert "workers_file: use --workers-file or --decode, not both" in capsys.readouterr().err

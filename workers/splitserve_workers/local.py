@@ -19,11 +19,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-READY_RE = re.compile(r"^READY role=(?P<role>\S+) port=(?P<port>\d+)")
+from splitserve_operator.scrape import buckets, histogram_quantile, parse_page
+
+if TYPE_CHECKING:
+    from splitserve_workers.local_scaling import LocalAutoscaler
+
+READY_RE = re.compile(
+    r"^READY role=(?P<role>\S+) port=(?P<port>\d+)(?: metrics_port=(?P<metrics>\d+))?"
+)
 DEFAULT_PRESET = "tiny-llama"
 START_TIMEOUT_S = 600.0  # first start imports torch and may build the model
 STOP_TIMEOUT_S = 30.0
@@ -85,7 +93,9 @@ class Child:
     proc: asyncio.subprocess.Process
     log_path: Path
     port: int = 0
+    metrics_port: int = 0
     stdout: list[str] = field(default_factory=list)
+    retiring: bool = False  # told to stop (scale-down): its exit is not a failure
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -101,6 +111,8 @@ class LocalStack:
     def __init__(self, log_dir: Path, threads_per_child: int) -> None:
         self.log_dir = log_dir
         self.children: list[Child] = []
+        self.exited: list[Child] = []  # children that exited on their own after starting
+        self._exit = asyncio.Event()
         self.env = dict(os.environ)
         self.env["PYTHONUNBUFFERED"] = "1"
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -119,7 +131,7 @@ class LocalStack:
             )
         child = Child(name, proc, log_path)
         self.children.append(child)
-        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        ready: asyncio.Future[re.Match[str]] = asyncio.get_running_loop().create_future()
 
         async def pump() -> None:
             # Read stdout for the child's whole life so it never blocks on a full pipe.
@@ -129,13 +141,19 @@ class LocalStack:
                 child.stdout.append(line)
                 m = READY_RE.match(line)
                 if m and not ready.done():
-                    ready.set_result(int(m["port"]))
+                    ready.set_result(m)
             if not ready.done():
                 ready.set_exception(RuntimeError("exited before it was ready"))
+                return
+            await proc.wait()
+            if not child.retiring:
+                self.exited.append(child)
+                self._exit.set()
 
         asyncio.get_running_loop().create_task(pump())
         try:
-            child.port = await asyncio.wait_for(ready, START_TIMEOUT_S)
+            m = await asyncio.wait_for(ready, START_TIMEOUT_S)
+            child.port, child.metrics_port = int(m["port"]), int(m["metrics"] or 0)
         except (TimeoutError, RuntimeError) as e:
             raise RuntimeError(
                 f"{name} did not start ({e or 'timed out'}); its log "
@@ -144,12 +162,10 @@ class LocalStack:
         return child
 
     async def wait_any_exit(self) -> Child:
-        """Returns the first child that exits (the caller treats it as a failure)."""
-        waits = {asyncio.ensure_future(c.proc.wait()): c for c in self.children}
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        return waits[next(iter(done))]
+        """Returns the first started child that exits without being told to (the caller treats
+        it as a failure); children started later count too."""
+        await self._exit.wait()
+        return self.exited[0]
 
     async def stop(self) -> None:
         """SIGTERM in reverse start order (the router first, so nothing new reaches the pools),
@@ -171,42 +187,6 @@ class LocalStack:
 # ---- reading the router's metrics ----------------------------------------------------------
 
 
-def _histogram(text: str, name: str) -> tuple[float, float, list[tuple[float, float]]]:
-    """(sum, count, [(le, cumulative count)]) of one histogram, summed over label sets."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = count = 0.0
-    buckets: dict[float, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != name:
-            continue
-        for s in family.samples:
-            if s.name == name + "_sum":
-                total += s.value
-            elif s.name == name + "_count":
-                count += s.value
-            elif s.name == name + "_bucket":
-                le = float(s.labels["le"])
-                buckets[le] = buckets.get(le, 0.0) + s.value
-    return total, count, sorted(buckets.items())
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus-style estimate from cumulative buckets (linear within the bucket)."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    prev_le, prev_count = 0.0, 0.0
-    for le, cumulative in buckets:
-        if cumulative >= rank:
-            if le == float("inf"):
-                return prev_le
-            span = cumulative - prev_count
-            return prev_le + (le - prev_le) * ((rank - prev_count) / span if span else 1.0)
-        prev_le, prev_count = le, cumulative
-    return prev_le
-
-
 class LiveLine:
     """TTFT/TPOT over the last interval, from the router's cumulative histograms."""
 
@@ -214,22 +194,25 @@ class LiveLine:
         self._last: dict[str, tuple[float, float, list[tuple[float, float]]]] = {}
 
     def update(self, text: str) -> str | None:
+        page = parse_page(text)
         parts = []
         new_requests = 0.0
         for key, metric in (
             ("TTFT", "splitserve_time_to_first_token_seconds"),
             ("TPOT", "splitserve_time_per_output_token_seconds"),
         ):
-            total, count, buckets = _histogram(text, metric)
+            total = page.get((metric + "_sum", ""), 0.0)
+            count = page.get((metric + "_count", ""), 0.0)
+            cumulative = buckets(page, metric)
             old_total, old_count, old_buckets = self._last.get(key, (0.0, 0.0, []))
-            self._last[key] = (total, count, buckets)
+            self._last[key] = (total, count, cumulative)
             n = count - old_count
             if key == "TTFT":
                 new_requests = n
             if n <= 0:
                 continue
             old = dict(old_buckets)
-            window = [(le, c - old.get(le, 0.0)) for le, c in buckets]
+            window = [(le, c - old.get(le, 0.0)) for le, c in cumulative]
             p90 = histogram_quantile(0.9, window)
             p90_text = f", p90 ~{p90 * 1000:.0f} ms" if p90 is not None else ""
             parts.append(f"{key} mean {(total - old_total) / n * 1000:.1f} ms{p90_text}")
@@ -381,6 +364,93 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stats-interval", type=float, default=5.0, help="seconds between live TTFT/TPOT lines"
     )
     parser.add_argument("--log-dir", help="where child logs go (default: a temp dir)")
+    scaling = parser.add_argument_group(
+        "autoscaling",
+        "size the prefill and decode pools from their measured TTFT, TPOT, utilization and KV "
+        "usage against the objectives (the operator's Builtin autoscaler, reading the "
+        "processes' /metrics); --prefill/--decode are the starting sizes",
+    )
+    scaling.add_argument("--autoscale", action="store_true", help="scale the pools while up")
+    for pool in ("prefill", "decode"):
+        scaling.add_argument(f"--min-{pool}", type=int, help=f"fewest {pool} workers (default 1)")
+        scaling.add_argument(f"--max-{pool}", type=int, help=f"most {pool} workers (default 4)")
+    scaling.add_argument("--slo-ttft", help="TTFT objective, e.g. 500ms (default 500ms)")
+    scaling.add_argument("--slo-tpot", help="TPOT objective, e.g. 50ms (default 50ms)")
+    scaling.add_argument(
+        "--slo-percentile", type=float, help="percentile the objectives hold at (default 95)"
+    )
+    scaling.add_argument(
+        "--scale-interval", type=float, help="seconds between evaluations (default 5)"
+    )
+    scaling.add_argument(
+        "--scale-down-stabilization",
+        type=float,
+        help="seconds every recommendation must agree before a pool shrinks (default 60)",
+    )
+
+
+AUTOSCALE_FLAGS = (
+    "min_prefill",
+    "max_prefill",
+    "min_decode",
+    "max_decode",
+    "slo_ttft",
+    "slo_tpot",
+    "slo_percentile",
+    "scale_interval",
+    "scale_down_stabilization",
+)
+
+
+@dataclass(frozen=True)
+class AutoscaleSettings:
+    bounds: dict[str, tuple[int, int]]  # pool -> (min, max)
+    ttft_seconds: float
+    tpot_seconds: float
+    percentile: float
+    interval: float
+    stabilization: float
+
+
+def _check_autoscale(
+    args: argparse.Namespace, counts: tuple[int, int, int]
+) -> AutoscaleSettings | None:
+    """--autoscale's flags, checked before anything starts; None without --autoscale."""
+    given = [f for f in AUTOSCALE_FLAGS if getattr(args, f, None) is not None]
+    if not args.autoscale:
+        if given:
+            raise _usage_error(f"--{given[0].replace('_', '-')} needs --autoscale")
+        return None
+    if counts[2]:
+        raise _usage_error("--autoscale sizes prefill and decode pools, not --colocated")
+    from splitserve_operator.spec import SpecError, parse_duration
+
+    bounds = {}
+    for pool, start in (("prefill", counts[0]), ("decode", counts[1])):
+        low = 1 if getattr(args, f"min_{pool}") is None else getattr(args, f"min_{pool}")
+        high = 4 if getattr(args, f"max_{pool}") is None else getattr(args, f"max_{pool}")
+        if low < 1:
+            raise _usage_error(f"--min-{pool}: {low} must be >= 1 (the router needs a worker)")
+        if high < low:
+            raise _usage_error(f"--max-{pool}: {high} is below --min-{pool} {low}")
+        if not low <= start <= high:
+            raise _usage_error(f"--{pool}: {start} workers is outside [{low}, {high}]")
+        bounds[pool] = (low, high)
+    try:
+        ttft = parse_duration(args.slo_ttft or "500ms", "--slo-ttft")
+        tpot = parse_duration(args.slo_tpot or "50ms", "--slo-tpot")
+    except SpecError as e:
+        raise _usage_error(str(e)) from None
+    percentile = 95.0 if args.slo_percentile is None else args.slo_percentile
+    if not 0 < percentile < 100:
+        raise _usage_error(f"--slo-percentile: {percentile} must be in (0, 100)")
+    interval = 5.0 if args.scale_interval is None else args.scale_interval
+    if not interval > 0:
+        raise _usage_error(f"--scale-interval: {interval} must be positive")
+    window = 60.0 if args.scale_down_stabilization is None else args.scale_down_stabilization
+    if window < 0:
+        raise _usage_error(f"--scale-down-stabilization: {window} must be >= 0")
+    return AutoscaleSettings(bounds, ttft, tpot, percentile, interval, window)
 
 
 def _usage_error(message: str) -> SystemExit:
@@ -429,10 +499,16 @@ def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
 
 
 async def _up(
-    args: argparse.Namespace, model: Path, counts: tuple[int, int, int], log_dir: Path
+    args: argparse.Namespace,
+    model: Path,
+    counts: tuple[int, int, int],
+    log_dir: Path,
+    autoscale: AutoscaleSettings | None = None,
 ) -> int:
     n_prefill, n_decode, n_colocated = counts
     n_workers = n_prefill + n_decode + n_colocated
+    if autoscale:  # threads for the most workers it may run at once
+        n_workers = sum(high for _, high in autoscale.bounds.values())
     stack = LocalStack(log_dir, max(1, (os.cpu_count() or 1) // n_workers))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -484,7 +560,14 @@ async def _up(
         ]
         if args.config:
             router_args += ["--config", args.config]
-        if n_colocated:
+        scaler = None
+        if autoscale:
+            scaler = _local_autoscaler(stack, common, log_dir, autoscale)
+            for pool in ("prefill", "decode"):
+                scaler.adopt(pool, [c for c in workers if c.name.startswith(pool)])
+            scaler.publish()
+            router_args += ["--workers-file", str(scaler.workers_file)]
+        elif n_colocated:
             router_args += ["--colocated", endpoints("colocated")]
         else:
             router_args += ["--prefill", endpoints("prefill"), "--decode", endpoints("decode")]
@@ -517,7 +600,17 @@ async def _up(
             demo.result()  # raises what the demo hit
             return 0
         print("press Ctrl-C to stop", flush=True)
-        return await _watch(stack, base, stop, args.stats_interval)
+        if scaler is None:
+            return await _watch(stack, base, stop, args.stats_interval)
+        scaler.router_metrics_url = base + "/metrics"
+        print(f"autoscaling: {scaler.describe()}", flush=True)
+        scaling = asyncio.ensure_future(scaler.run(stop))
+        try:
+            return await _watch(stack, base, stop, args.stats_interval, scaler.sizes)
+        finally:
+            scaling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scaling
     except RuntimeError as e:
         print(f"splitserve up: {e}", file=sys.stderr, flush=True)
         return 1
@@ -526,7 +619,35 @@ async def _up(
         await stack.stop()
 
 
-async def _watch(stack: LocalStack, base: str, stop: asyncio.Event, interval: float) -> int:
+def _local_autoscaler(
+    stack: LocalStack, worker_args: list[str], log_dir: Path, settings: AutoscaleSettings
+) -> LocalAutoscaler:
+    from splitserve_operator.autoscaler import Objectives
+
+    from splitserve_workers.local_scaling import Bounds, LocalAutoscaler
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    return LocalAutoscaler(
+        stack,
+        worker_args,
+        log_dir / "workers.json",
+        {pool: Bounds(low, high) for pool, (low, high) in settings.bounds.items()},
+        Objectives(settings.ttft_seconds, settings.tpot_seconds, settings.percentile),
+        settings.interval,
+        settings.stabilization,
+        say=say,
+    )
+
+
+async def _watch(
+    stack: LocalStack,
+    base: str,
+    stop: asyncio.Event,
+    interval: float,
+    sizes: Callable[[], str] | None = None,
+) -> int:
     live = LiveLine()
     exited = asyncio.ensure_future(stack.wait_any_exit())
     stopper = asyncio.ensure_future(stop.wait())
@@ -549,7 +670,8 @@ async def _watch(stack: LocalStack, base: str, stop: asyncio.Event, interval: fl
             with contextlib.suppress(Exception):
                 line = live.update(await _get(base + "/metrics"))
                 if line:
-                    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+                    pools = f" | pools: {sizes()}" if sizes else ""
+                    print(f"[{time.strftime('%H:%M:%S')}] {line}{pools}", flush=True)
     finally:
         exited.cancel()
         stopper.cancel()
@@ -557,6 +679,7 @@ async def _watch(stack: LocalStack, base: str, stop: asyncio.Event, interval: fl
 
 def run(args: argparse.Namespace) -> int:
     counts = _check_counts(args)
+    autoscale = _check_autoscale(args, counts)
     if args.config:  # every child would fail on it after loading torch: say so once, now
         from splitserve_workers.config import ConfigError, ServingConfig
 
@@ -572,4 +695,4 @@ def run(args: argparse.Namespace) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="splitserve-up-"))
-    return asyncio.run(_up(args, model, counts, log_dir))
+    return asyncio.run(_up(args, model, counts, log_dir, autoscale))

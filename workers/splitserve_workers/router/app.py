@@ -35,6 +35,7 @@ from splitserve_workers.router.detok import IncrementalDetokenizer
 from splitserve_workers.router.discovery import (
     Discovery,
     DnsDiscovery,
+    FileDiscovery,
     StaticDiscovery,
     split_endpoints,
 )
@@ -560,6 +561,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--discovery", choices=("static", "dns"))
     parser.add_argument(
+        "--workers-file",
+        help="JSON {role: [host:port, ...]} re-read when it changes (instead of the lists above; "
+        "local mode's autoscaler rewrites it)",
+    )
+    parser.add_argument(
         "--prefill-policy", choices=("least_queued_tokens", "round_robin", "random")
     )
     parser.add_argument("--decode-policy", choices=("most_free_blocks", "round_robin", "random"))
@@ -631,7 +637,23 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
     )
     discovery: Discovery
     try:
-        if discovery_kind == "dns":
+        if args.workers_file:
+            given = [
+                flag
+                for flag, value in (
+                    ("--prefill", args.prefill),
+                    ("--decode", args.decode),
+                    ("--colocated", args.colocated),
+                    ("--discovery", args.discovery),
+                )
+                if value
+            ]
+            if given:
+                raise ValueError(
+                    f"workers_file: use --workers-file or {', '.join(given)}, not both"
+                )
+            discovery = FileDiscovery(args.workers_file)
+        elif discovery_kind == "dns":
             discovery = DnsDiscovery(
                 {
                     "prefill": str(prefill or ""),

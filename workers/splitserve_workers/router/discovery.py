@@ -1,15 +1,21 @@
-"""Where the router finds its workers. An interface with two answers: a static list of host:port
-(local mode, tests) and DNS of headless Kubernetes Services, whose A records are the ready pods
-(the Service's readiness gating is what keeps a draining pod out). picking.py polls it."""
+"""Where the router finds its workers. An interface with three answers: a static list of host:port
+(local mode, tests), DNS of headless Kubernetes Services, whose A records are the ready pods
+(the Service's readiness gating is what keeps a draining pod out), and a JSON file another
+process rewrites (local mode's autoscaler). picking.py polls it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import socket
 from abc import ABC, abstractmethod
 from typing import cast
 
 ROLES = ("prefill", "decode", "colocated")
+
+log = logging.getLogger("splitserve.router")
 
 
 def split_endpoints(text: str | list[str] | None) -> list[str]:
@@ -90,3 +96,77 @@ class DnsDiscovery(Discovery):
 
     def roles(self) -> list[str]:
         return [r for r in ROLES if r in self._services]
+
+
+# A workers file is a few endpoints; anything near this is not one.
+MAX_WORKERS_FILE_BYTES = 1 << 20
+
+
+def read_workers_file(path: str) -> dict[str, list[str]]:
+    """{"prefill": ["host:port", ...], "decode": [...], "colocated": [...]} (roles optional);
+    ValueError says what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_WORKERS_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"workers file {path}: {e.strerror}") from None
+    if len(raw) > MAX_WORKERS_FILE_BYTES:
+        raise ValueError(f"workers file {path}: over {MAX_WORKERS_FILE_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"workers file {path}: not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"workers file {path}: must be an object of role -> [host:port, ...]")
+    out: dict[str, list[str]] = {}
+    for role, endpoints in data.items():
+        if role not in ROLES:
+            raise ValueError(f"workers file {path}: unknown role {role!r}")
+        if not isinstance(endpoints, list) or not all(isinstance(e, str) for e in endpoints):
+            raise ValueError(f"workers file {path}: {role} must be a list of host:port strings")
+        try:
+            out[role] = split_endpoints(endpoints)
+        except ValueError as e:
+            raise ValueError(f"workers file {path}: {role}: {e}") from None
+    return out
+
+
+class FileDiscovery(Discovery):
+    """Endpoints from a JSON file that another process rewrites (atomically, by rename) as it
+    adds and removes workers: local mode's autoscaler. Re-read when it changes; a file that
+    becomes unreadable or invalid keeps the last good answer (and says so once)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._by_role = read_workers_file(path)  # the roles are fixed by the first read
+        self._stamp = self._stat()
+        self._warned = False
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _reload(self) -> None:
+        stamp = self._stat()
+        if stamp is None or stamp == self._stamp:
+            return
+        try:
+            found = read_workers_file(self.path)
+            if any(found.get(r) for r in ROLES if r not in self.roles()):
+                raise ValueError(f"workers file {self.path}: the roles cannot change at run time")
+        except ValueError as e:
+            if not self._warned:
+                log.warning("%s; keeping the last good worker list", e)
+                self._warned = True
+            return
+        self._by_role, self._stamp, self._warned = found, stamp, False
+
+    async def endpoints(self, role: str) -> list[str]:
+        self._reload()
+        return list(self._by_role.get(role, []))
+
+    def roles(self) -> list[str]:
+        return [r for r in ROLES if r in self._by_role]

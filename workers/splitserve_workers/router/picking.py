@@ -42,6 +42,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 # A worker that refuses connections is gone at once; one whose Load answer comes late is busy (a
 # long prefill, a loaded node), so only this many late answers in a row take it out of picking.
 MAX_LATE_POLLS = 3
+# A worker that leaves discovery keeps its channel this long for the streams it still serves:
+# past the workers' default drain timeout (60 s), which cuts them on its side anyway.
+RETIRED_CHANNEL_GRACE_S = 120.0
 
 
 @dataclass
@@ -146,6 +149,7 @@ class WorkerPool:
         self._counter = 0
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     async def start(self) -> None:
         await self.refresh()
@@ -159,6 +163,9 @@ class WorkerPool:
         for worker in self.workers.values():
             await worker.channel.close()
         self.workers.clear()
+        for task, channel in list(self._retiring.items()):
+            task.cancel()
+            await channel.close()  # no grace left: the router is stopping
 
     async def _poll_loop(self) -> None:
         while True:
@@ -171,7 +178,13 @@ class WorkerPool:
     async def refresh(self) -> None:
         endpoints = set(await self._discovery.endpoints(self.role))
         for gone in set(self.workers) - endpoints:
-            await self.workers.pop(gone).channel.close()
+            # Gone from discovery is not dead: a draining worker leaves DNS (or the workers
+            # file) while it finishes its streams. Closing the channel at once would cancel
+            # them, so it closes after they end (or after the grace).
+            channel = self.workers.pop(gone).channel
+            task = asyncio.create_task(channel.close(grace=RETIRED_CHANNEL_GRACE_S))
+            self._retiring[task] = channel
+            task.add_done_callback(lambda t: self._retiring.pop(t, None))
         for endpoint in endpoints - set(self.workers):
             channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
             self.workers[endpoint] = Worker(
