@@ -104,7 +104,10 @@ class Decision:
 
 
 def _ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1000:.0f}ms"
+    if seconds is None:
+        return "n/a"
+    ms = seconds * 1000
+    return f"{ms:.0f}ms" if ms >= 1 or ms == 0 else f"{ms:.2g}ms"
 
 
 def _round(value: float | None) -> float | None:

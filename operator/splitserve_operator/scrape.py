@@ -76,6 +76,8 @@ def fetch(url: str, timeout: float) -> Page:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             raw = resp.read(MAX_PAGE_BYTES + 1)
+    except urllib.error.HTTPError as e:
+        raise MetricsError(f"{url}: HTTP {e.code} {e.reason}") from e
     except (OSError, ValueError) as e:
         raise MetricsError(f"{url}: {getattr(e, 'reason', e)}") from e
     if len(raw) > MAX_PAGE_BYTES:

@@ -18,6 +18,16 @@ from splitserve_workers.cli import main
         (["--colocated", "1", "--prefill", "1"], "use --colocated"),
         (["--prefill", "0"], "--prefill/--decode"),
         (["--decode", "-1"], "--prefill/--decode"),
+        (["--max-decode", "3"], "--max-decode needs --autoscale"),
+        (["--autoscale", "--colocated", "1"], "--autoscale sizes prefill and decode pools"),
+        (["--autoscale", "--min-prefill", "0"], "--min-prefill: 0 must be >= 1"),
+        (["--autoscale", "--min-decode", "3", "--max-decode", "2"], "--max-decode: 2 is below"),
+        (["--autoscale", "--decode", "5"], "--decode: 5 workers is outside [1, 4]"),
+        (["--autoscale", "--slo-tpot", "fast"], "--slo-tpot: 'fast' is not a duration"),
+        (["--autoscale", "--slo-ttft", "0ms"], "--slo-ttft: '0ms' must be positive"),
+        (["--autoscale", "--slo-percentile", "100"], "--slo-percentile: 100.0 must be in"),
+        (["--autoscale", "--scale-interval", "0"], "--scale-interval: 0.0 must be positive"),
+        (["--autoscale", "--scale-down-stabilization", "-1"], "--scale-down-stabilization"),
     ],
 )
 def test_bad_flag_exits_2_naming_it(

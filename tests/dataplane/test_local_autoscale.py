@@ -1,0 +1,149 @@
+"""`splitserve up --autoscale` with real processes: load that breaks the TPOT objective adds a
+decode worker (started, then published to the router), and once the load is gone the idlest
+decode worker is retired after the stabilization window: it leaves the router's workers file,
+drains and exits 0. Every request made meanwhile completes; nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Bounds on waits so a broken build fails instead of hanging (torch imports on a busy machine).
+WAIT_S = 600.0
+
+
+def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "splitserve_workers.cli",
+            "up",
+            "--model",
+            str(tiny_model),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--log-dir",
+            str(tmp_path),
+            "--autoscale",
+            "--max-decode",
+            "2",
+            "--max-prefill",
+            "1",
+            # Any measured TPOT breaks a 0.1 ms objective, so load always asks for more decode.
+            "--slo-tpot",
+            "100us",
+            "--slo-ttft",
+            "60s",
+            "--scale-interval",
+            "0.5",
+            "--scale-down-stabilization",
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )
+    lines: list[str] = []
+    changed = threading.Condition()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with changed:
+                lines.append(line)
+                changed.notify_all()
+        with changed:
+            changed.notify_all()
+
+    def wait_line(pattern: str, until: float) -> re.Match[str]:
+        regex = re.compile(pattern)
+        with changed:
+            while True:
+                found = next((m for line in lines if (m := regex.search(line))), None)
+                if found or proc.poll() is not None or time.monotonic() > until:
+                    break
+                changed.wait(1.0)
+        assert found, f"no line matching {pattern!r}:\n" + "".join(lines)
+        return found
+
+    def published() -> dict[str, list[str]]:
+        data: dict[str, list[str]] = json.loads((tmp_path / "workers.json").read_text())
+        return data
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        port = int(wait_line(r"^READY role=up port=(\d+)", time.monotonic() + WAIT_S)[1])
+        base = f"http://127.0.0.1:{port}"
+        assert len(published()["decode"]) == 1
+        first_decode = published()["decode"][0]
+
+        # Load until the second decode worker serves: the scale-up is the autoscaler's.
+        stop_load = threading.Event()
+        results: list[tuple[int, int]] = []
+
+        def client(i: int) -> None:
+            with httpx.Client(timeout=WAIT_S) as c:
+                while not stop_load.is_set():
+                    r = c.post(
+                        base + "/v1/completions",
+                        json={"prompt": f"load {i}", "max_tokens": 24, "ignore_eos": True},
+                    )
+                    usage = r.json().get("usage", {}) if r.status_code == 200 else {}
+                    results.append((r.status_code, usage.get("completion_tokens", 0)))
+
+        with ThreadPoolExecutor(4) as pool:
+            for i in range(4):
+                pool.submit(client, i)
+            until = time.monotonic() + WAIT_S
+            wait_line(r"autoscale decode 1 -> 2: TPOT p95 \S+ is above the objective", until)
+            wait_line(r"decode-\d+ is serving \(prefill 1, decode 2\)", until)
+            assert len(published()["decode"]) == 2
+            # Served by both now: a few more rounds with the new worker in the router's list.
+            served = len(results)
+            while len(results) < served + 8 and time.monotonic() < until:
+                time.sleep(0.2)
+            stop_load.set()
+        assert results and all(r == (200, 24) for r in results), results[-5:]
+        assert "autoscale prefill 1 ->" not in "".join(lines), "prefill has no reason to grow"
+
+        # Idle: after the stabilization window the idlest decode worker is retired and drains.
+        until = time.monotonic() + WAIT_S
+        down = wait_line(r"autoscale decode 2 -> 1: ", until)
+        gone = wait_line(r"(decode-\d+) drained and exited with 0 \(prefill 1, decode 1\)", until)
+        assert len(published()["decode"]) == 1
+        children = psutil.Process(proc.pid).children(recursive=True)
+        decode_left = [c for c in children if c.cmdline()[3:4] == ["decode"]]
+        assert len(decode_left) == 1, [c.cmdline() for c in children]
+        print(down.string.strip(), "|", gone.string.strip(), "| first decode was", first_decode)
+
+        # The pool that is left serves.
+        r = httpx.post(
+            base + "/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=WAIT_S
+        )
+        assert r.status_code == 200, r.text
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=WAIT_S) == 0, "".join(lines)
+        assert "exited with 1" not in "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

@@ -1,0 +1,188 @@
+"""The direct-scrape signal source (splitserve_operator/scrape.py) that local mode's autoscaler
+reads instead of Prometheus. Pages come from the processes' own metric classes
+(splitserve_workers/metrics.py), served over real HTTP where fetching is what is tested; round
+times are given explicitly, so every expected value below is computed by hand."""
+
+from __future__ import annotations
+
+import http.server
+import math
+import threading
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from splitserve_operator.prometheus import MetricsError
+from splitserve_operator.scrape import (
+    MAX_PAGE_BYTES,
+    DirectScraper,
+    Round,
+    Target,
+    buckets,
+    histogram_quantile,
+    parse_page,
+)
+from splitserve_workers.metrics import router_metrics, worker_metrics
+
+LABELS = {"service": "chat", "model": "tiny"}
+ROUTER = Target("router", "router", "unused")
+P0 = Target("prefill-0", "prefill", "unused")
+D0 = Target("decode-0", "decode", "unused")
+D1 = Target("decode-1", "decode", "unused")
+
+
+class Process:
+    """One process's registry with the real metric families."""
+
+    def __init__(self, pool: str) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = {**LABELS, "pool": pool}
+        if pool == "router":
+            self.m = router_metrics(self.registry)
+        else:
+            self.w = worker_metrics(self.registry)
+
+    def page(self) -> dict[tuple[str, str], float]:
+        return parse_page(generate_latest(self.registry).decode())
+
+
+def round_at(t: float, procs: dict[Target, Process]) -> Round:
+    return Round(t, {target: p.page() for target, p in procs.items()})
+
+
+def test_rates_and_quantiles_cover_only_the_window() -> None:
+    router, d0 = Process("router"), Process("decode")
+    rl, wl = router.labels, d0.labels
+    scraper = DirectScraper(keep=100)
+    scraper.add(round_at(0.0, {ROUTER: router, D0: d0}))
+    # Before the window: slow tokens that must not count.
+    for _ in range(100):
+        router.m.tpot.labels(**rl).observe(1.0)
+    scraper.add(round_at(5.0, {ROUTER: router, D0: d0}))
+    # In the window (5 s .. 10 s): 100 tokens at 4 ms, 20 requests, 2.5 busy seconds.
+    for _ in range(100):
+        router.m.tpot.labels(**rl).observe(0.004)
+    router.m.requests.labels(**rl, status="ok").inc(15)
+    router.m.requests.labels(**rl, status="error").inc(5)
+    d0.w.busy_seconds.labels(**wl).inc(2.5)
+    scraper.add(round_at(10.0, {ROUTER: router, D0: d0}))
+
+    decode = scraper.read(95, window_seconds=5)["decode"]
+    # All 100 in the (2.5 ms, 5 ms] bucket: 2.5 + 2.5 * 0.95 ms.
+    assert decode.latency == pytest.approx(0.0025 + 0.0025 * 0.95)
+    assert decode.request_rate == pytest.approx(20 / 5)
+    assert decode.busy == pytest.approx(2.5 / 5)
+    # A 10 s window also holds the slow tokens: p95 (rank 190 of 200) is one of them.
+    wide = scraper.read(95, window_seconds=10)["decode"]
+    assert wide.latency is not None and 0.75 < wide.latency <= 1.0
+    assert wide.request_rate == pytest.approx(20 / 10)
+
+
+def test_gauges_latest_and_window_mean_and_who_reports() -> None:
+    router, p0, d0, d1 = (Process(p) for p in ("router", "prefill", "decode", "decode"))
+    scraper = DirectScraper(keep=100)
+    p0.w.requests_running.labels(**p0.labels).set(1)
+    p0.w.busy_seconds.labels(**p0.labels).inc(0)
+    for t, running in ((0.0, (2, 4)), (1.0, (6, 8))):
+        d0.w.requests_running.labels(**d0.labels).set(running[0])
+        d1.w.requests_running.labels(**d1.labels).set(running[1])
+        scraper.add(round_at(t, {ROUTER: router, P0: p0, D0: d0, D1: d1}))
+    d0.w.requests_waiting.labels(**d0.labels).set(3)
+    d0.w.kv_cache_usage_ratio.labels(**d0.labels).set(0.5)
+    d1.w.kv_cache_usage_ratio.labels(**d1.labels).set(0.7)
+    router.m.requests_in_flight.labels(**router.labels).set(9)
+    # d1 does not answer the last round.
+    scraper.add(round_at(2.0, {ROUTER: router, P0: p0, D0: d0}))
+
+    signals = scraper.read(95, window_seconds=10)
+    decode = signals["decode"]
+    assert decode.reporting == 1
+    assert decode.running == 6 and decode.waiting == 3
+    assert decode.mean_running == pytest.approx((6 + 14 + 6) / 3)
+    assert decode.kv_usage == pytest.approx(0.5)
+    assert decode.in_flight == 9
+    assert decode.latency is None, "no tokens in the window: no percentile"
+    assert signals["prefill"].reporting == 1 and signals["prefill"].busy_series == 1
+    assert scraper.pod_load("decode") == {"decode-0": 9.0}
+    assert scraper.limit("decode", "splitserve_max_batch_size") == 0
+
+
+def test_a_restarted_counter_counts_from_zero() -> None:
+    router, p0 = Process("router"), Process("prefill")
+    scraper = DirectScraper(keep=100)
+    p0.w.busy_seconds.labels(**p0.labels).inc(100)
+    scraper.add(round_at(0.0, {ROUTER: router, P0: p0}))
+    restarted = Process("prefill")
+    restarted.w.busy_seconds.labels(**restarted.labels).inc(4)
+    scraper.add(round_at(10.0, {ROUTER: router, P0: restarted}))
+    assert scraper.read(95, 10)["prefill"].busy == pytest.approx(4 / 10)
+
+
+def test_rounds_older_than_keep_are_dropped() -> None:
+    router = Process("router")
+    scraper = DirectScraper(keep=5)
+    for t in (0.0, 3.0, 6.0, 9.0):
+        scraper.add(round_at(t, {ROUTER: router}))
+    assert [r.time for r in scraper.rounds] == [6.0, 9.0]
+
+
+def test_histogram_quantile_matches_prometheus_rules() -> None:
+    cumulative = [(0.1, 10.0), (0.2, 30.0), (math.inf, 40.0)]
+    assert histogram_quantile(0.5, cumulative) == pytest.approx(0.15)  # rank 20 in (0.1, 0.2]
+    assert histogram_quantile(0.99, cumulative) == 0.2  # +Inf bucket: its lower bound
+    assert histogram_quantile(0.5, []) is None
+    assert histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]) is None
+    page = parse_page('# TYPE x histogram\nx_bucket{le="0.1"} 1\nx_bucket{le="+Inf"} 2\n')
+    assert buckets(page, "x") == [(0.1, 1.0), (math.inf, 2.0)]
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, dict[str, bytes]]]:
+    pages: dict[str, bytes] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = pages.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", pages
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_scrape_over_http_and_what_it_refuses(server: tuple[str, dict[str, bytes]]) -> None:
+    base, pages = server
+    router, d0 = Process("router"), Process("decode")
+    d0.w.requests_running.labels(**d0.labels).set(2)
+    pages["/router"] = generate_latest(router.registry)
+    pages["/d0"] = generate_latest(d0.registry)
+    pages["/garbage"] = b"this is { not prometheus text\n"
+    pages["/huge"] = b"# " + b"x" * MAX_PAGE_BYTES + b"\n"
+    targets = [
+        Target("router", "router", base + "/router"),
+        Target("decode-0", "decode", base + "/d0"),
+        Target("decode-1", "decode", base + "/garbage"),
+        Target("decode-2", "decode", base + "/huge"),
+        Target("decode-3", "decode", base + "/missing"),
+    ]
+    scraper = DirectScraper(keep=60, timeout=10)
+    scraper.scrape(targets, now=0.0)
+    assert scraper.read(95, 60)["decode"].reporting == 1
+    assert scraper.read(95, 60)["decode"].running == 2
+    errors = {t.name: e for t, e in scraper.errors.items()}
+    assert sorted(errors) == ["decode-1", "decode-2", "decode-3"]
+    assert "not Prometheus text" in errors["decode-1"]
+    assert f"over {MAX_PAGE_BYTES} bytes" in errors["decode-2"]
+    assert "404" in errors["decode-3"]
+
+    # Without the router there are no latency signals: say so instead of guessing.
+    scraper.scrape([Target("router", "router", base + "/missing"), targets[1]], now=1.0)
+    with pytest.raises(MetricsError, match="the router's /metrics did not answer: .*404"):
+        scraper.read(95, 60)
