@@ -493,20 +493,34 @@ class ControlPlane:
             )
 
     def _create_nodes(self) -> None:
-        core = self.core_v1()
         for name in self.node_names:
-            body = {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {
-                    "name": name,
-                    "labels": {**NODE_LABELS, "kubernetes.io/hostname": name},
-                    "annotations": {"kwok.x-k8s.io/node": "fake"},
-                },
-                # Nodes accept status on create; kwok's node-initialize stage keeps it.
-                "status": {"capacity": NODE_CAPACITY, "allocatable": NODE_CAPACITY},
-            }
-            core.create_node(body)
+            self.create_node(name)
+
+    def create_node(
+        self,
+        name: str,
+        pod_cidr: str | None = None,
+        labels: dict[str, str] | None = None,
+        taints: list[dict[str, str]] | None = None,
+    ) -> None:
+        """A kwok-managed fake Node. pod_cidr: where kwok takes its pods' IPs from (instead of
+        POD_CIDR); a loopback range gives pods addresses a test process can listen on."""
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": {**NODE_LABELS, "kubernetes.io/hostname": name, **(labels or {})},
+                "annotations": {"kwok.x-k8s.io/node": "fake"},
+            },
+            "spec": {"taints": taints or []},
+            # Nodes accept status on create; kwok's node-initialize stage keeps it.
+            "status": {"capacity": NODE_CAPACITY, "allocatable": NODE_CAPACITY},
+        }
+        if pod_cidr:
+            body["spec"]["podCIDR"] = pod_cidr
+            body["spec"]["podCIDRs"] = [pod_cidr]
+        self.core_v1().create_node(body)
 
     # -- waiting -------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""The built-in autoscaler's decision core (autoscaling.mode Builtin). Pure: measured signals in
-(metrics.py reads them from Prometheus), replicas per pool and the reason out; handlers.py applies
-the result and writes it to status and Events.
+"""The built-in autoscaler's decision core (autoscaling.mode Builtin, and `splitserve up
+--autoscale`). Pure: measured signals in (prometheus.py reads them from Prometheus, scrape.py
+from the pods' /metrics pages), replicas per pool and the reason out; scaling.py applies the
+result and writes it to status and Events (local_scaling.py starts and drains processes).
 
 Each pool is sized on its own, from what it measures, never from the replica count it set:
 - prefill: engine utilization (busy seconds per second, per replica) against a target, and the
@@ -47,7 +48,6 @@ LIMITED = frozenset({AT_MAX, GPU_BUDGET})
 # condition (status.py).
 ACTIVE = "Active"
 METRICS_UNAVAILABLE = "MetricsUnavailable"
-NO_METRICS_SOURCE = "NoMetricsSource"
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class PoolState:
 class Signals:
     """One pool's measurements over the evaluation window (None: no samples in the window)."""
 
-    reporting: int  # worker pods Prometheus scrapes for this pool
+    reporting: int  # worker pods whose metrics were read (Prometheus or a direct scrape)
     latency: float | None = None  # TTFT (prefill) or TPOT (decode) percentile at the router
     prefill_queue: float | None = None  # TTFT stage percentiles, at the router
     decode_admission: float | None = None
@@ -373,10 +373,13 @@ def decide(
     window: float,
     gpu_budget: int | None = None,
     settle: float = 0.0,
+    source: str = "Prometheus",
 ) -> dict[str, Decision]:
     """One evaluation for both pools: replicas, verdict and reason each. window: the
     scale-down stabilization; settle: how long after a scale-up the signals still describe
-    the pool before it (their rate window), during which it does not scale up again."""
+    the pool before it (their rate window), during which it does not scale up again. source:
+    who reads the pods' metrics (Prometheus, or the operator scraping them), for the reasons."""
+    hint = "is it scraping them?" if source == "Prometheus" else "can it reach their metrics port?"
     decisions: dict[str, Decision] = {}
     urgency: dict[str, float] = {}
     for pool, state in states.items():
@@ -390,8 +393,8 @@ def decide(
                     state,
                     state.replicas,
                     NO_METRICS,
-                    f"{state.ready} pods are ready but Prometheus has no "
-                    f"splitserve_requests_running series for the {pool} pool: is it scraping them?",
+                    f"{state.ready} pods are ready but {source} has no "
+                    f"splitserve_requests_running series for the {pool} pool: {hint}",
                 ),
                 inputs,
             )
@@ -413,7 +416,7 @@ def decide(
             continue
         scraped = sig.reporting
         if 0 < scraped < state.ready:
-            # Pods Prometheus has not scraped yet carry load too: assume the scraped average.
+            # Pods not scraped yet carry load too: assume the scraped average.
             f = state.ready / scraped
             sig = replace(
                 sig, reporting=state.ready, busy=sig.busy * f, running=sig.running * f,
@@ -437,7 +440,7 @@ def decide(
             waiting_for = (
                 f"{starting} pods to become ready"
                 if starting > 0
-                else f"Prometheus to scrape {unscraped} new pods"
+                else f"{source} to scrape {unscraped} new pods"
             )
             want, verdict, reason = (
                 state.replicas,

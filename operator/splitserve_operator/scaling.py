@@ -1,8 +1,13 @@
 """Runs the built-in autoscaler for one LLMService (autoscaling.mode Builtin; a kopf daemon per
 LLMService, registered in handlers.py). Every spec.autoscaling.interval it reads the pools'
-Deployments and the signals from Prometheus, decides (autoscaler.decide), scales the
-Deployments, and says why: status.autoscaler.<pool>.lastDecision, the Autoscaling and
-ScalingLimited conditions, and an Event for every scale and every change of trouble.
+Deployments and the signals, decides (autoscaler.decide), scales the Deployments, and says why:
+status.autoscaler.<pool>.lastDecision, the Autoscaling and ScalingLimited conditions, and an
+Event for every scale and every change of trouble.
+
+The signals come from Prometheus when a URL is set (spec.autoscaling.metrics.prometheus.url or
+the operator's --prometheus-url), otherwise from the pods themselves: each evaluation scrapes
+the /metrics page of every ready router and worker pod (scrape.py), so Builtin works on a
+cluster without Prometheus as long as the operator can reach the pods' ports.
 
 Scale-down is drain-safe: before lowering replicas it sets each pod's pod-deletion-cost to the
 sequences it holds, so the ReplicaSet removes the idlest pods first, and a removed worker drains
@@ -21,11 +26,11 @@ from .autoscaler import (
     ACTIVE,
     LIMITED,
     METRICS_UNAVAILABLE,
-    NO_METRICS_SOURCE,
     Decision,
     History,
     Objectives,
     PoolState,
+    Signals,
     decide,
 )
 from .config import REPLICAS_FIELD_MANAGER, OperatorConfig
@@ -33,6 +38,7 @@ from .kube import Kube, KubeError, Ref
 from .names import child_name, selector_labels
 from .prometheus import MetricsError, PrometheusReader
 from .reconcile import replicas_patch
+from .scrape import ROUTER, DirectScraper, Target
 from .spec import Spec, SpecError, gpus_per_replica, parse_duration, parse_spec
 from .status import now_rfc3339
 
@@ -62,8 +68,76 @@ class ScalerState:
     scale-down waits a whole stabilization window again, which errs on the safe side)."""
 
     histories: dict[str, History] = field(default_factory=dict)
+    scraper: DirectScraper | None = None  # the direct source's rounds (no Prometheus URL)
     written: dict[str, Any] = field(default_factory=dict)  # what status last got, minus times
     written_at: float = 0.0
+
+
+class PrometheusSource:
+    """Signals and per-pod load from Prometheus's HTTP API."""
+
+    def __init__(self, url: str, namespace: str, service: str) -> None:
+        self.reader = PrometheusReader(url)
+        self.namespace, self.service = namespace, service
+        self.name = "Prometheus"
+        self.description = f"Prometheus at {url}"
+
+    def read(self, percentile: float, window: float, now: float) -> dict[str, Signals]:
+        return self.reader.read(self.namespace, self.service, percentile, window)
+
+    def pod_load(self, pool: str) -> dict[str, float]:
+        return self.reader.pod_load(self.namespace, self.service, pool)
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def scrape_target(pod: dict[str, Any], pool: str) -> Target | None:
+    """The pod's /metrics URL: the router serves it on its API port ("http"), workers on
+    "metrics". None while the pod has no IP or no such port."""
+    ip = (pod.get("status") or {}).get("podIP")
+    port_name = "http" if pool == ROUTER else "metrics"
+    ports = [
+        p.get("containerPort")
+        for c in (pod.get("spec") or {}).get("containers") or []
+        for p in c.get("ports") or []
+        if p.get("name") == port_name
+    ]
+    if not ip or not ports:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    return Target(pod["metadata"]["name"], pool, f"http://{host}:{ports[0]}/metrics")
+
+
+class DirectSource:
+    """Signals from the pods' own /metrics pages: every ready router and worker pod is scraped
+    once per evaluation, and the rounds of the window are kept in the daemon's state."""
+
+    def __init__(self, kube: Kube, namespace: str, service: str, scraper: DirectScraper) -> None:
+        self.kube, self.namespace, self.service = kube, namespace, service
+        self.scraper = scraper
+        self.name = "the operator"
+        self.description = "the pods' /metrics, scraped by the operator"
+
+    def read(self, percentile: float, window: float, now: float) -> dict[str, Signals]:
+        targets: list[Target] = []
+        for pool in (ROUTER, *SCALED_POOLS):
+            pods = self.kube.list_objects(
+                "v1", "pods", self.namespace, selector_labels(self.service, pool)
+            )
+            targets += [t for p in pods if _ready(p) and (t := scrape_target(p, pool))]
+        if not any(t.pool == ROUTER for t in targets):
+            raise MetricsError(f"no ready {self.service}-router pod to scrape")
+        self.scraper.keep = window
+        self.scraper.scrape(targets, now)
+        return self.scraper.read(percentile, window)
+
+    def pod_load(self, pool: str) -> dict[str, float]:
+        return self.scraper.pod_load(pool)
 
 
 class Scaler:
@@ -95,17 +169,6 @@ class Scaler:
             return 15.0  # the reconcile handler reports it
         if spec.autoscaling_mode != "Builtin":
             return spec.autoscaling_interval
-        url = spec.prometheus_url or self.config.prometheus_url
-        if not url:
-            self.report(
-                body,
-                state,
-                NO_METRICS_SOURCE,
-                "no Prometheus to read: set spec.autoscaling.metrics.prometheus.url (or the "
-                "operator's --prometheus-url); replicas stay as they are",
-                {},
-            )
-            return spec.autoscaling_interval
         deployments = {
             pool: self.kube.get(Ref("apps/v1", "Deployment", namespace, child_name(name, pool)))
             for pool in SCALED_POOLS
@@ -113,16 +176,26 @@ class Scaler:
         if any(d is None for d in deployments.values()):
             return spec.autoscaling_interval  # reconcile creates them first
         states = {pool: pool_state(spec, pool, d) for pool, d in deployments.items() if d}
-        reader = PrometheusReader(url)
         try:
             scrape = parse_duration(spec.monitoring_interval, "spec.monitoring.interval")
         except SpecError:
             scrape = 15.0
-        window = window_seconds(spec.autoscaling_interval, scrape)
+        url = spec.prometheus_url or self.config.prometheus_url
+        source: PrometheusSource | DirectSource
+        if url:
+            source = PrometheusSource(url, namespace, name)
+            state.scraper = None
+            window = window_seconds(spec.autoscaling_interval, scrape)
+        else:
+            if state.scraper is None:
+                state.scraper = DirectScraper(keep=MIN_WINDOW_SECONDS)
+            source = DirectSource(self.kube, namespace, name, state.scraper)
+            window = window_seconds(spec.autoscaling_interval, spec.autoscaling_interval)
         try:
-            signals = reader.read(namespace, name, spec.percentile, window)
-        except MetricsError as e:
-            self.report(body, state, METRICS_UNAVAILABLE, f"{e}; replicas stay as they are", {})
+            signals = source.read(spec.percentile, window, self.clock())
+        except (MetricsError, KubeError) as e:
+            message = f"{source.description}: {e}; replicas stay as they are"
+            self.report(body, state, METRICS_UNAVAILABLE, message, {})
             log.warning(f"autoscaler: {e}")
             return spec.autoscaling_interval
         objectives = Objectives(spec.ttft_seconds, spec.tpot_seconds, spec.percentile)
@@ -135,25 +208,26 @@ class Scaler:
             spec.scale_down_stabilization,
             spec.gpu_budget,
             settle=window,
+            source=source.name,
         )
         scaled: dict[str, str] = {}
         for pool, decision in decisions.items():
             if decision.changes:
                 dep = deployments[pool]
                 assert dep is not None
-                self.scale(reader, namespace, name, dep, decision, log)
+                self.scale(source, namespace, name, dep, decision, log)
                 scaled[pool] = now_rfc3339()
                 kind = "ScaledUp" if decision.replicas > decision.current else "ScaledDown"
                 message = f"{pool} {decision.current} -> {decision.replicas}: {decision.reason}"
                 self.emit(body, "Normal", kind, message)
                 log.info(f"autoscaler: {message}")
         summary = "; ".join(f"{p}: {d.verdict} ({d.reason})" for p, d in decisions.items())
-        self.report(body, state, ACTIVE, summary, decisions, scaled)
+        self.report(body, state, ACTIVE, summary, decisions, scaled, source.description)
         return spec.autoscaling_interval
 
     def scale(
         self,
-        reader: PrometheusReader,
+        source: PrometheusSource | DirectSource,
         namespace: str,
         name: str,
         deployment: dict[str, Any],
@@ -162,15 +236,15 @@ class Scaler:
     ) -> None:
         if decision.replicas < decision.current:
             try:
-                self.mark_idlest(reader, namespace, name, decision.pool)
+                self.mark_idlest(source.pod_load(decision.pool), namespace, name, decision.pool)
             except (KubeError, MetricsError) as e:
                 # Still safe (workers drain on SIGTERM), only not the idlest pods first.
                 log.warning(f"autoscaler: pod-deletion-cost not set for {decision.pool}: {e}")
         self.kube.apply(replicas_patch(deployment, decision.replicas), REPLICAS_FIELD_MANAGER)
 
-    def mark_idlest(self, reader: PrometheusReader, namespace: str, name: str, pool: str) -> None:
-        """pod-deletion-cost = sequences the pod holds now, so the idlest go first."""
-        load = reader.pod_load(namespace, name, pool)
+    def mark_idlest(self, load: dict[str, float], namespace: str, name: str, pool: str) -> None:
+        """pod-deletion-cost = sequences the pod holds now (load, by pod name), so the idlest
+        go first."""
         for pod in self.kube.list_objects("v1", "pods", namespace, selector_labels(name, pool)):
             meta = pod["metadata"]
             cost = str(round(load.get(meta["name"], 0.0)))
@@ -191,6 +265,7 @@ class Scaler:
         message: str,
         decisions: dict[str, Decision],
         scaled: dict[str, str] | None = None,
+        metrics_source: str = "",
     ) -> None:
         """Write status.autoscaler when something a reader cares about changed (or its numbers
         are over REFRESH_SECONDS old), then let the conditions follow."""
@@ -201,6 +276,7 @@ class Scaler:
         key = {
             "state": verdict_state,
             "message": message if verdict_state != ACTIVE else "",
+            "source": metrics_source,
             **{p: (d.verdict, d.current, d.replicas) for p, d in decisions.items()},
         }
         now = self.clock()
@@ -210,6 +286,8 @@ class Scaler:
             self.emit(body, "Warning", verdict_state, message)
         stamp = now_rfc3339()
         fresh: dict[str, Any] = {"state": verdict_state, "message": message}
+        if metrics_source:
+            fresh["metricsSource"] = metrics_source
         for pool, d in decisions.items():
             before = previous.get(pool) or {}
             last = before.get("lastDecision") or {}

@@ -16,18 +16,19 @@ TICK_SECONDS = 0.1
 
 
 class Exporter:
-    """One scrape target: a registry served over HTTP on loopback."""
+    """One scrape target: a registry served over HTTP on loopback (a free port on 127.0.0.1,
+    or the given address: a pod's own loopback IP and port, for the operator to scrape)."""
 
-    def __init__(self) -> None:
+    def __init__(self, address: tuple[str, int] | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.port = plane.free_port()
+        self.host, self.port = address or ("127.0.0.1", plane.free_port())
         self.server, self.thread = start_http_server(
-            self.port, addr="127.0.0.1", registry=self.registry
+            self.port, addr=self.host, registry=self.registry
         )
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -56,18 +57,21 @@ class Fleet:
     decode_admission: float = 0.001
     requests_per_tick: int = 2
     pods: dict[str, Pod] = field(default_factory=dict)
+    router_address: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         self.labels = {"service": self.service, "model": "m"}
-        self.router = Exporter()
+        self.router = Exporter(self.router_address)
         self.router_metrics: RouterMetrics = router_metrics(self.router.registry)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._ticker = threading.Thread(target=self._tick, daemon=True)
         self._ticker.start()
 
-    def add_pod(self, name: str, pool: str, **values: float) -> Pod:
-        exporter = Exporter()
+    def add_pod(
+        self, name: str, pool: str, address: tuple[str, int] | None = None, **values: float
+    ) -> Pod:
+        exporter = Exporter(address)
         pod = Pod(pool, exporter, worker_metrics(exporter.registry), **values)
         with self._lock:
             self.pods[name] = pod

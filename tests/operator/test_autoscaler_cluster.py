@@ -7,6 +7,7 @@ with the namespace and pod labels a Kubernetes scrape adds."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ import plane
 import pytest
 from fleet import Fleet
 from operator_process import OperatorProcess, conditions, get_json, wait_until
+from splitserve_operator.names import METRICS_PORT
 from test_operator_cluster import apply, deployment, llms, tiny, wait_ready
 
 pytestmark = pytest.mark.cluster
@@ -70,6 +72,21 @@ def wait_for(
         ) from None
 
 
+def wait_decode_replicas(
+    cp: Any, namespace: str, replicas: int, timeout: float, operator: OperatorProcess
+) -> None:
+    wait_for(
+        cp,
+        namespace,
+        lambda: (
+            (d := deployment(cp, namespace, "chat-decode")) and d["spec"]["replicas"] == replicas
+        ),
+        f"decode scaled to {replicas}",
+        timeout,
+        operator,
+    )
+
+
 def test_builtin_autoscaler_scales_each_pool_and_explains_it(
     control_plane: Any,
     operator: OperatorProcess,
@@ -81,7 +98,8 @@ def test_builtin_autoscaler_scales_each_pool_and_explains_it(
     obj["metadata"]["name"] = "chat"
     obj["spec"]["prefill"].update(replicas=1, autoscaling={"minReplicas": 1, "maxReplicas": 3})
     obj["spec"]["decode"].update(replicas=2, autoscaling={"minReplicas": 1, "maxReplicas": 4})
-    # No Prometheus yet: the autoscaler says it has nothing to read, and scales nothing.
+    # No Prometheus yet: the operator scrapes the pods itself, but these kwok pods' addresses
+    # (10.244.x) lead nowhere. It says so, and scales nothing.
     obj["spec"]["autoscaling"] = {"mode": "Builtin", "interval": "1s",
                                   "scaleDownStabilization": "10s"}  # fmt: skip
     apply(cp, namespace, obj)
@@ -89,14 +107,15 @@ def test_builtin_autoscaler_scales_each_pool_and_explains_it(
     cond = wait_until(
         lambda: (
             conditions(llms(cp, namespace, "chat") or {}).get("Autoscaling", {}).get("reason")
-            == "NoMetricsSource"
+            == "MetricsUnavailable"
             and conditions(llms(cp, namespace, "chat") or {})["Autoscaling"]
         ),
-        "Autoscaling NoMetricsSource",
+        "Autoscaling MetricsUnavailable",
     )
-    assert (
-        cond["status"] == "False" and "spec.autoscaling.metrics.prometheus.url" in cond["message"]
-    )
+    assert cond["status"] == "False"
+    assert cond["message"].startswith("the pods' /metrics, scraped by the operator: ")
+    assert "the router's /metrics did not answer" in cond["message"]
+    assert deployment(cp, namespace, "chat-decode")["spec"]["replicas"] == 2  # type: ignore
 
     # The decode pool is slow (TPOT 120 ms against 50 ms); prefill is comfortable.
     fleet = Fleet(namespace, "chat", ttft=0.1, prefill_queue=0.01, tpot=0.12)
@@ -162,14 +181,7 @@ def test_builtin_autoscaler_scales_each_pool_and_explains_it(
         for name, pod in fleet.pods.items():
             if name != busy_pod:
                 pod.running, pod.busy_fraction = 0, 0.0
-        wait_for(
-            cp,
-            namespace,
-            lambda: (d := deployment(cp, namespace, "chat-decode")) and d["spec"]["replicas"] == 1,
-            "decode scaled down to 1",
-            180,
-            operator,
-        )
+        wait_decode_replicas(cp, namespace, 1, 180, operator)
         down = last(llms(cp, namespace, "chat"), "decode")
         assert down["verdict"] == "ScaleDown" and "predicted TPOT" in down["reason"]
         # The ReplicaSet removed the pods the autoscaler marked cheapest; the busy one stays.
@@ -231,10 +243,7 @@ def test_deleting_an_autoscaled_llmservice_stops_its_daemon(
     obj["spec"]["autoscaling"] = {"mode": "Builtin", "interval": "1s"}
     apply(cp, namespace, obj)
     wait_until(
-        lambda: (
-            conditions(llms(cp, namespace, "chat") or {}).get("Autoscaling", {}).get("reason")
-            == "NoMetricsSource"
-        ),
+        lambda: (llms(cp, namespace, "chat") or {}).get("status", {}).get("autoscaler"),
         "the daemon's first evaluation",
     )
     # kopf stops the daemon before it lets the finalizer go; a daemon that did not stop would
@@ -242,3 +251,85 @@ def test_deleting_an_autoscaled_llmservice_stops_its_daemon(
     cp.kubectl("delete", "-n", namespace, "llmservice", "chat", "--timeout=60s")
     assert llms(cp, namespace, "chat") is None
     assert "autoscaler evaluation failed" not in operator.tail(400)
+
+
+def test_without_prometheus_the_operator_scrapes_the_pods(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    """No Prometheus anywhere: the operator reads the router's and workers' /metrics pages
+    itself. The pods run on a kwok node whose pod network is a loopback /24, so each pod's IP
+    is an address this test listens on, at the pod's own ports, with the workers' metric
+    classes behind it."""
+    cp = control_plane
+    node = f"kwok-loopback-{namespace[-6:]}"
+    net = f"127.{random.randint(100, 250)}.{random.randint(0, 255)}"
+    taint = {"key": "splitserve.test/loopback", "value": "true", "effect": "NoSchedule"}
+    cp.create_node(node, pod_cidr=f"{net}.0/24", taints=[taint])
+    placement = {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "tolerations": [{"key": "splitserve.test/loopback", "operator": "Exists"}],
+    }
+    router_port = plane.free_port()
+    obj = tiny(slo={"ttft": "500ms", "tpot": "50ms", "percentile": 95})
+    obj["metadata"]["name"] = "chat"
+    obj["spec"]["router"].update(port=router_port, **placement)
+    obj["spec"]["prefill"].update(
+        replicas=1, autoscaling={"minReplicas": 1, "maxReplicas": 1}, **placement
+    )
+    obj["spec"]["decode"].update(
+        replicas=2, autoscaling={"minReplicas": 1, "maxReplicas": 3}, **placement
+    )
+    obj["spec"]["autoscaling"] = {"mode": "Builtin", "interval": "1s",
+                                  "scaleDownStabilization": "10s"}  # fmt: skip
+    fleet: Fleet | None = None
+    try:
+        apply(cp, namespace, obj)
+        wait_ready(cp, namespace, "chat")
+        ip = {
+            p["metadata"]["name"]: p["status"]["podIP"]
+            for pool in ("router", "prefill", "decode")
+            for p in pods_of(cp, namespace, pool)
+        }
+        assert all(a.startswith(net + ".") for a in ip.values()), ip
+        (router,) = pods_of(cp, namespace, "router")
+        fleet = Fleet(
+            namespace, "chat", ttft=0.1, prefill_queue=0.01, tpot=0.12,
+            router_address=(ip[router["metadata"]["name"]], router_port),
+        )  # fmt: skip
+        (prefill,) = pods_of(cp, namespace, "prefill")
+        name = prefill["metadata"]["name"]
+        fleet.add_pod(name, "prefill", (ip[name], METRICS_PORT), busy_fraction=0.3, running=1)
+        busy_pod, idle_pod = sorted(p["metadata"]["name"] for p in pods_of(cp, namespace, "decode"))
+        fleet.add_pod(busy_pod, "decode", (ip[busy_pod], METRICS_PORT), running=8, kv_usage=0.3)
+        fleet.add_pod(idle_pod, "decode", (ip[idle_pod], METRICS_PORT), running=0, kv_usage=0.05)
+
+        # TPOT 120 ms against 50 ms: decode grows (2 -> 3, its maxReplicas), on pages the
+        # operator fetched itself.
+        wait_decode_replicas(cp, namespace, 3, 120, operator)
+        obj_now = llms(cp, namespace, "chat") or {}
+        auto = obj_now["status"]["autoscaler"]
+        assert auto["metricsSource"] == "the pods' /metrics, scraped by the operator"
+        up = next(e for e in events(cp, namespace) if e["reason"] == "ScaledUp")
+        assert up["message"].startswith("decode 2 -> 3: TPOT p95")
+        assert conditions(obj_now)["Autoscaling"]["status"] == "True"
+
+        # Load falls: the idle pods go, and the busy one survives (its deletion cost comes from
+        # the sequences its page reports).
+        fleet.tpot = 0.005
+        for name, pod in fleet.pods.items():
+            if name != busy_pod:
+                pod.running = 0
+        wait_decode_replicas(cp, namespace, 1, 180, operator)
+        survivors = wait_until(
+            lambda: (p := pods_of(cp, namespace, "decode")) and len(p) == 1 and p,
+            "one decode pod left",
+        )
+        assert survivors[0]["metadata"]["name"] == busy_pod
+        assert survivors[0]["metadata"]["annotations"][DELETION_COST] == "8"
+        down = last(llms(cp, namespace, "chat"), "decode")
+        assert down["verdict"] == "ScaleDown" and down["inputs"]["reportingPods"] >= 1
+    finally:
+        if fleet is not None:
+            fleet.close()
+        cp.kubectl("delete", "-n", namespace, "llmservice", "chat", "--timeout=60s", check=False)
+        cp.kubectl("delete", "node", node, "--timeout=60s", check=False)

@@ -179,6 +179,7 @@ class LocalAutoscaler:
             self.clock(),
             self.stabilization,
             settle=self.window,
+            source="the autoscaler",
         )
         for name, decision in decisions.items():
             if decision.changes:
