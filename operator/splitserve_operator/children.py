@@ -5,9 +5,11 @@ dicts out; reconcile.py sends them to the API server."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from . import GROUP, KIND, VERSION
+from .autoscaler import DECODE_TARGET_KV_USAGE, PREFILL_TARGET_UTILIZATION
 from .config import OperatorConfig
 from .names import (
     CONFIG_KEY,
@@ -188,6 +190,76 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
     ]
 
 
+# Mode HPA's default metrics: per-pod series prometheus-adapter serves from what the workers
+# export (manifests/prometheus-adapter/values.yaml has the rules), at the targets the built-in
+# autoscaler sizes for. The HPA controller caps a scale-down window at one hour.
+HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
+HPA_MAX_STABILIZATION_SECONDS = 3600
+HPA_BATCH_FILL = 0.8
+
+
+def _pods_metric(name: str, average: str) -> dict[str, Any]:
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": name},
+            "target": {"type": "AverageValue", "averageValue": average},
+        },
+    }
+
+
+def default_hpa_metrics(pool: str, spec: Spec) -> list[dict[str, Any]]:
+    if pool == "prefill":
+        # Busy seconds per second per pod: engine utilization.
+        return [
+            _pods_metric("splitserve_busy_ratio", f"{round(PREFILL_TARGET_UTILIZATION * 1000)}m")
+        ]
+    batch = int(spec.decode.settings["maxBatchSize"])
+    return [
+        _pods_metric("splitserve_kv_cache_usage_ratio", f"{round(DECODE_TARGET_KV_USAGE * 1000)}m"),
+        # Sequences per pod: a batch this full still leaves slots for arrivals.
+        _pods_metric("splitserve_requests_running", str(max(1, math.ceil(batch * HPA_BATCH_FILL)))),
+    ]
+
+
+def autoscalers(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict[str, Any]]:
+    """Mode HPA: one autoscaling/v2 HorizontalPodAutoscaler per scaled pool, targeting its
+    Deployment within spec.<pool>.autoscaling's bounds; it scales up by at most 2x per
+    autoscaling.interval and down after autoscaling.scaleDownStabilization, like Builtin."""
+    period = max(1, min(1800, round(spec.autoscaling_interval)))
+    window = min(HPA_MAX_STABILIZATION_SECONDS, round(spec.scale_down_stabilization))
+    out = []
+    for pool in ("prefill", "decode"):
+        bounds = spec.pool(pool).bounds
+        assert bounds is not None  # parse_spec requires them in mode HPA
+        name = child_name(service, pool)
+        out.append(
+            {
+                "apiVersion": HPA[0],
+                "kind": HPA[1],
+                "metadata": _meta(name, namespace, common_labels(service, pool), owner),
+                "spec": {
+                    "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                    "minReplicas": bounds.min_replicas,
+                    "maxReplicas": bounds.max_replicas,
+                    "metrics": list(bounds.metrics) or default_hpa_metrics(pool, spec),
+                    "behavior": {
+                        "scaleUp": {
+                            "stabilizationWindowSeconds": 0,
+                            "selectPolicy": "Max",
+                            "policies": [
+                                {"type": "Percent", "value": 100, "periodSeconds": period},
+                                {"type": "Pods", "value": 1, "periodSeconds": period},
+                            ],
+                        },
+                        "scaleDown": {"stabilizationWindowSeconds": window},
+                    },
+                },
+            }
+        )
+    return out
+
+
 def desired_children(
     service: str,
     namespace: str,
@@ -208,4 +280,6 @@ def desired_children(
     objects += [disruption_budget(c, service, namespace, owner) for c in POOLS]
     if monitoring_available and spec.monitoring_enabled and config.monitoring != "off":
         objects += monitors(service, namespace, spec, owner)
+    if spec.autoscaling_mode == "HPA":
+        objects += autoscalers(service, namespace, spec, owner)
     return objects

@@ -20,7 +20,7 @@ from typing import Any, cast
 import kopf
 
 from . import GROUP, PLURAL, VERSION
-from .children import desired_children
+from .children import HPA, desired_children
 from .config import OperatorConfig
 from .kube import Kube, KubeError, Ref
 from .names import MANAGED_BY, child_name, selector_labels
@@ -89,6 +89,20 @@ class Operator:
             self.write_status(namespace, name, error=str(e))
             kopf.warn(body, reason="ApplyFailed", message=str(e))
             raise kopf.TemporaryError(str(e), delay=10) from e
+        if why == "change" and spec.autoscaling_mode != "HPA":
+            # A mode change is a spec change (or, after a restart, a resume): no need to look
+            # on every resync.
+            try:
+                deleted = self.prune_hpas(namespace, name, meta["uid"])
+            except KubeError as e:
+                self.write_status(namespace, name, error=str(e))
+                kopf.warn(body, reason="ApplyFailed", message=str(e))
+                raise kopf.TemporaryError(str(e), delay=10) from e
+            if deleted:
+                message = (
+                    f"deleted {', '.join(deleted)}: autoscaling.mode is {spec.autoscaling_mode}"
+                )
+                kopf.info(body, reason="Deleted", message=message)
         if outcome.created and why == "child-deleted":
             kopf.info(
                 body, reason="DriftRepaired", message="recreated " + ", ".join(outcome.created)
@@ -155,6 +169,31 @@ class Operator:
                 trouble[pool] = why
         return trouble
 
+    def hpas(self, namespace: str, service: str) -> dict[str, dict[str, Any] | None]:
+        return {
+            pool: self.kube.get(Ref(*HPA, namespace, child_name(service, pool)))
+            for pool in ("prefill", "decode")
+        }
+
+    def prune_hpas(self, namespace: str, service: str, uid: str) -> list[str]:
+        """Outside mode HPA, delete the HorizontalPodAutoscalers this LLMService made when it
+        was in it: left behind, they would keep resizing the pools (and fight the built-in
+        autoscaler, or undo spec.<pool>.replicas)."""
+        deleted = []
+        for pool in ("prefill", "decode"):
+            ref = Ref(*HPA, namespace, child_name(service, pool))
+            live = self.kube.get(ref)
+            owners = (live or {}).get("metadata", {}).get("ownerReferences") or []
+            if not any(o.get("uid") == uid for o in owners):
+                continue
+            try:
+                self.kube.request("DELETE", ref.path())
+            except KubeError as e:
+                if e.status != 404:
+                    raise
+            deleted.append(str(ref))
+        return deleted
+
     def write_status(
         self,
         namespace: str,
@@ -204,6 +243,7 @@ class Operator:
                     error=error,
                     trouble=self.pool_trouble(namespace, service, deployments),
                     autoscaler=status.get("autoscaler"),
+                    hpas=self.hpas(namespace, service) if spec.autoscaling_mode == "HPA" else None,
                 )
             if all(status.get(k) == v for k, v in fresh.items()):
                 return
@@ -286,8 +326,9 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         service, uid = owner
         if type == "DELETED":
             operator.repair(namespace, service, uid, logger)
-        elif body.get("kind") == "Deployment":
-            operator.write_status(namespace, service)  # pods became (un)ready
+        elif body.get("kind") in ("Deployment", "HorizontalPodAutoscaler"):
+            # Pods became (un)ready, or the HPA controller changed its mind.
+            operator.write_status(namespace, service)
 
     # kopf adds default login handlers only to its global registry; this one is our own.
     kopf.on.login(registry=registry)(kopf.login_via_client)
@@ -314,3 +355,6 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
                   labels=managed)(on_child)  # fmt: skip
     kopf.on.event("v1", "services", registry=registry, id="child-service",
                   labels=managed)(on_child)  # fmt: skip
+    # Mode HPA: a deleted HPA comes back, and the HPA controller's verdicts reach status.
+    kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", registry=registry,
+                  id="child-hpa", labels=managed)(on_child)  # fmt: skip

@@ -80,6 +80,7 @@ def _int(data: dict[str, Any], key: str, default: int, field_name: str, minimum:
 class Bounds:
     min_replicas: int
     max_replicas: int
+    metrics: tuple[dict[str, Any], ...] = ()  # mode HPA: MetricSpec items overriding defaults
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,13 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
     bounds = None
     if "autoscaling" in data:
         auto = data["autoscaling"] or {}
+        metrics = auto.get("metrics") or []
+        if not isinstance(metrics, list) or not all(isinstance(m, dict) for m in metrics):
+            raise SpecError(f"{path}.autoscaling.metrics: must be a list of MetricSpec objects")
         bounds = Bounds(
             min_replicas=_int(auto, "minReplicas", 1, f"{path}.autoscaling"),
             max_replicas=_int(auto, "maxReplicas", 8, f"{path}.autoscaling", minimum=1),
+            metrics=tuple(metrics),
         )
         if bounds.min_replicas > bounds.max_replicas:
             raise SpecError(
@@ -239,6 +244,11 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
                 raise SpecError(
                     f"spec.{pool.name}.autoscaling: is required when spec.autoscaling.mode "
                     f"is {mode}"
+                )
+            if mode == "HPA" and pool.bounds.min_replicas < 1:
+                raise SpecError(
+                    f"spec.{pool.name}.autoscaling.minReplicas: must be at least 1 when "
+                    "spec.autoscaling.mode is HPA (HorizontalPodAutoscalers do not scale to zero)"
                 )
     monitoring = spec.get("monitoring") or {}
     gpu_budget = None

@@ -166,26 +166,91 @@ def merge_conditions(
 
 
 def autoscaling_condition(
-    service: str, mode: str, autoscaler: Mapping[str, Any] | None = None
+    service: str,
+    mode: str,
+    autoscaler: Mapping[str, Any] | None = None,
+    hpas: Mapping[str, Mapping[str, Any] | None] | None = None,
 ) -> tuple[bool | None, str, str]:
     """Who sizes the prefill and decode pools, so `kubectl describe` answers "why did it not
-    scale": the operator (Off), an HPA the user makes (HPA), or the built-in autoscaler
-    (Builtin), whose own state (status.autoscaler, scaling.py) says whether it can act."""
-    pools = f"{service}-prefill and {service}-decode"
+    scale": the operator (Off), the HorizontalPodAutoscalers it creates (HPA), whose own
+    conditions say whether they can act, or the built-in autoscaler (Builtin), whose state
+    (status.autoscaler, scaling.py) does."""
     if mode == "Off":
         return False, "Off", "autoscaling.mode is Off: the operator keeps spec.<pool>.replicas"
     if mode == "HPA":
-        return (
-            None,
-            "ExternalAutoscaler",
-            f"replicas of {pools} are left to a HorizontalPodAutoscaler you create; "
-            "the operator sets them only at creation",
-        )
+        return hpa_condition(service, hpas or {})
     state = (autoscaler or {}).get("state")
     message = str((autoscaler or {}).get("message") or "")
     if not state:
         return None, "Starting", "the built-in autoscaler has not evaluated yet"
     return state == ACTIVE, str(state), message
+
+
+HPA_METRICS_HINT = (
+    " (the default metrics come from prometheus-adapter: see "
+    "manifests/prometheus-adapter/values.yaml)"
+)
+
+
+def hpa_condition(
+    service: str, hpas: Mapping[str, Mapping[str, Any] | None]
+) -> tuple[bool | None, str, str]:
+    """Mode HPA: what the HorizontalPodAutoscaler controller says about each pool's HPA."""
+    missing = [f"{service}-{p}" for p in ("prefill", "decode") if hpas.get(p) is None]
+    if missing:
+        return None, "HPAPending", f"HorizontalPodAutoscalers not created yet: {', '.join(missing)}"
+    problems: list[tuple[str, str]] = []
+    unevaluated: list[str] = []
+    sizes: list[str] = []
+    for pool in ("prefill", "decode"):
+        hpa = hpas[pool] or {}
+        name = f"{service}-{pool}"
+        status = hpa.get("status") or {}
+        conds = {c.get("type"): c for c in status.get("conditions") or []}
+        if not conds:
+            unevaluated.append(name)
+            continue
+        for kind in ("AbleToScale", "ScalingActive"):
+            cond = conds.get(kind) or {}
+            if cond.get("status") == "False":
+                reason = str(cond.get("reason") or kind)
+                hint = HPA_METRICS_HINT if reason.startswith("FailedGet") else ""
+                problems.append((reason, f"{name}: {cond.get('message', '')}{hint}"))
+                break
+        sizes.append(
+            f"{name} {status.get('currentReplicas', 0)} replicas, wants "
+            f"{status.get('desiredReplicas', 0)}"
+        )
+    if problems:
+        return False, problems[0][0], "; ".join(message for _, message in problems)
+    if unevaluated:
+        return (
+            None,
+            "HPAPending",
+            "the HorizontalPodAutoscaler controller has not evaluated "
+            f"{', '.join(unevaluated)} yet",
+        )
+    return True, "HPAActive", "HorizontalPodAutoscalers size the pools: " + "; ".join(sizes)
+
+
+def hpa_limited_condition(
+    service: str, hpas: Mapping[str, Mapping[str, Any] | None]
+) -> tuple[bool, str, str]:
+    """Mode HPA: True while an HPA wants more replicas than its maxReplicas allows (its own
+    ScalingLimited condition, reason TooManyReplicas)."""
+    limited = []
+    for pool in ("prefill", "decode"):
+        conds = ((hpas.get(pool) or {}).get("status") or {}).get("conditions") or []
+        for cond in conds:
+            if (cond.get("type"), cond.get("status"), cond.get("reason")) == (
+                "ScalingLimited",
+                "True",
+                "TooManyReplicas",
+            ):
+                limited.append(f"{service}-{pool}: {cond.get('message', '')}")
+    if limited:
+        return True, "AtMaxReplicas", "; ".join(limited)
+    return False, "WithinLimits", "no HorizontalPodAutoscaler wants more than its maxReplicas"
 
 
 def scaling_limited_condition(autoscaler: Mapping[str, Any] | None) -> tuple[bool, str, str]:
@@ -217,10 +282,12 @@ def compute_status(
     error: str | None = None,
     trouble: Mapping[str, str] | None = None,
     autoscaler: Mapping[str, Any] | None = None,
+    hpas: Mapping[str, Mapping[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     """The whole `status` (except kopf's bookkeeping) for one LLMService. trouble: per pool,
     why its pods are not running (pod_trouble), quoted in the Ready message. autoscaler: the
-    built-in autoscaler's status.autoscaler (mode Builtin), for its conditions."""
+    built-in autoscaler's status.autoscaler (mode Builtin), for its conditions. hpas: the pools'
+    HorizontalPodAutoscalers (mode HPA), for the Autoscaling condition."""
     trouble = trouble or {}
 
     def why(pool: str) -> str:
@@ -278,18 +345,17 @@ def compute_status(
         condition("Degraded", *degraded, generation=observed_generation),
         condition(
             "Autoscaling",
-            *autoscaling_condition(service, spec.autoscaling_mode, autoscaler),
+            *autoscaling_condition(service, spec.autoscaling_mode, autoscaler, hpas),
             generation=observed_generation,
         ),
     ]
-    if spec.autoscaling_mode == "Builtin":
-        current.append(
-            condition(
-                "ScalingLimited",
-                *scaling_limited_condition(autoscaler),
-                generation=observed_generation,
-            )
+    if spec.autoscaling_mode != "Off":
+        limited = (
+            scaling_limited_condition(autoscaler)
+            if spec.autoscaling_mode == "Builtin"
+            else hpa_limited_condition(service, hpas or {})
         )
+        current.append(condition("ScalingLimited", *limited, generation=observed_generation))
     port = spec.router.settings["port"]
     status: dict[str, Any] = {
         "observedGeneration": observed_generation,

@@ -4,14 +4,21 @@ namespace and pod labels a Kubernetes scrape adds."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import plane
 import pytest
+import yaml
 from fleet import Fleet
 from operator_process import wait_until
+from splitserve_operator.children import default_hpa_metrics
 from splitserve_operator.prometheus import MetricsError, PrometheusReader
+from splitserve_operator.spec import parse_spec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cluster
 
@@ -84,3 +91,64 @@ def test_reader_errors_name_the_server(
     prom = prometheus([fleets[0].router.target])
     with pytest.raises(MetricsError, match="HTTP 400"):
         PrometheusReader(prom.url).query("sum(")
+
+
+def test_prometheus_adapter_rules_serve_what_the_hpas_ask_for(
+    prometheus: Callable[..., Any], fleets: tuple[Fleet, Fleet]
+) -> None:
+    """manifests/prometheus-adapter/values.yaml: each rule's query, filled in the way
+    prometheus-adapter fills it for a per-pod request, answers one value per pod of the asking
+    namespace from a real Prometheus; and together the rules serve every metric the
+    operator's default HPAs name."""
+    values = REPO_ROOT / "manifests" / "prometheus-adapter" / "values.yaml"
+    rules = yaml.safe_load(values.read_text())["rules"]["custom"]
+    served = {rule["name"]["as"] for rule in rules}
+    spec = parse_spec(
+        {
+            "model": {"name": "m", "path": "/models/m"},
+            "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 2}},
+            "decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 2}},
+            "autoscaling": {"mode": "HPA"},
+        }
+    )
+    asked = {
+        m["pods"]["metric"]["name"]
+        for pool in ("prefill", "decode")
+        for m in default_hpa_metrics(pool, spec)
+    }
+    assert asked <= served, asked - served
+
+    targets = fleets[0].targets() | fleets[1].targets()
+    prom = prometheus(list(targets), scrape_interval="1s", labels=targets)
+    reader = PrometheusReader(prom.url)
+    pods = "chat-prefill-a|chat-prefill-b|chat-decode-a"
+
+    def per_pod() -> dict[str, dict[str, float]] | None:
+        out = {}
+        for rule in rules:
+            series = re.match(r"^(\w+)\{", rule["seriesQuery"])
+            assert series, rule["seriesQuery"]
+            query = (
+                rule["metricsQuery"]
+                .replace("<<.Series>>", series[1])
+                .replace("<<.LabelMatchers>>", f'namespace="team-a",pod=~"{pods}"')
+                .replace("<<.GroupBy>>", "pod")
+            )
+            out[rule["name"]["as"]] = reader.by_pod(query)
+        # rate() over the rule's 1m window underestimates until the window holds a minute of
+        # scrapes (0.8 busy seconds per second on chat-prefill-a).
+        busy = out["splitserve_busy_ratio"]
+        return out if len(busy) == 3 and busy["chat-prefill-a"] > 0.5 else None
+
+    found = wait_until(per_pod, "a full 1m window of every rule for every pod", 180)
+    kv = found["splitserve_kv_cache_usage_ratio"]
+    assert set(kv) == {"chat-prefill-a", "chat-prefill-b", "chat-decode-a"}
+    assert kv["chat-decode-a"] == pytest.approx(0.42)
+    # team-a's pods only: the decoy in team-b has a chat-prefill-a with 40 running.
+    assert found["splitserve_requests_running"] == {
+        "chat-prefill-a": 1.0,
+        "chat-prefill-b": 3.0,
+        "chat-decode-a": 12.0,
+    }
+    busy = found["splitserve_busy_ratio"]
+    assert 0.5 < busy["chat-prefill-a"] < 1.0 and 0.4 < busy["chat-decode-a"] < 0.9

@@ -241,7 +241,7 @@ def test_ready_message_says_why_a_pool_cannot_schedule(
     assert "Insufficient" not in conditions(wait_ready(cp, namespace, "tiny"))["Ready"]["message"]
 
 
-def test_hpa_mode_leaves_replicas_to_the_autoscaler(
+def test_hpa_mode_owns_hpas_and_leaves_replicas_to_them(
     control_plane: Any, operator: OperatorProcess, namespace: str
 ) -> None:
     cp = control_plane
@@ -268,9 +268,48 @@ def test_hpa_mode_leaves_replicas_to_the_autoscaler(
     ready = wait_ready(cp, namespace, "tiny")
     assert deployment(cp, namespace, "tiny-decode")["spec"]["replicas"] == 5  # type: ignore
     assert ready["status"]["decode"]["desiredReplicas"] == 5
-    # The status schema takes the Unknown condition the operator writes for an outside HPA.
-    autoscaling = conditions(ready)["Autoscaling"]
-    assert (autoscaling["status"], autoscaling["reason"]) == ("Unknown", "ExternalAutoscaler")
+
+    # The operator made one HPA per pool, and the real HPA controller evaluates them. This
+    # cluster serves no custom metrics API, so it cannot get the pods' metrics: the
+    # Autoscaling condition says so in the controller's words, and no replica moves.
+    for pool in ("prefill", "decode"):
+        hpa = get_json(cp, "-n", namespace, "hpa", f"tiny-{pool}")
+        assert hpa["metadata"]["ownerReferences"][0]["name"] == "tiny"
+        assert hpa["spec"]["scaleTargetRef"]["name"] == f"tiny-{pool}"
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 6)
+    autoscaling = wait_until(
+        lambda: (
+            (c := conditions(llms(cp, namespace, "tiny") or {}).get("Autoscaling"))
+            and c["reason"].startswith("FailedGet")
+            and c
+        ),
+        "the HPA controller's verdict in the Autoscaling condition",
+        120,
+    )
+    assert autoscaling["status"] == "False"
+    assert "splitserve_" in autoscaling["message"]
+    assert "manifests/prometheus-adapter/values.yaml" in autoscaling["message"]
+    assert deployment(cp, namespace, "tiny-decode")["spec"]["replicas"] == 5  # type: ignore
+
+    # Leaving mode HPA deletes them (left behind, they would keep resizing the pools).
+    obj["spec"]["autoscaling"] = {"mode": "Off"}
+    apply(cp, namespace, obj)
+    wait_until(
+        lambda: not get_json(cp, "-n", namespace, "hpa")["items"], "HPAs deleted after mode Off"
+    )
+    off = wait_until(
+        lambda: (
+            (o := llms(cp, namespace, "tiny"))
+            and conditions(o)["Autoscaling"]["reason"] == "Off"
+            and o
+        ),
+        "Autoscaling Off",
+    )
+    assert conditions(off)["Autoscaling"]["status"] == "False"
+    wait_until(
+        lambda: deployment(cp, namespace, "tiny-decode")["spec"]["replicas"] == 2,  # type: ignore
+        "mode Off enforces spec.decode.replicas again",
+    )
 
 
 def test_restart_mid_reconcile_converges_without_duplicates(
@@ -326,6 +365,15 @@ INVALID: list[tuple[str, Any, str]] = [
     ("missing pool", {"prefill": None}, "spec.prefill"),
     ("bad autoscaling mode", {"autoscaling": {"mode": "Sometimes"}}, "spec.autoscaling.mode"),
     ("HPA without bounds", {"autoscaling": {"mode": "HPA"}}, "spec"),
+    (
+        "HPA with minReplicas 0",
+        {
+            "autoscaling": {"mode": "HPA"},
+            "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 2}},
+            "decode": {"replicas": 1, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+        },
+        "spec.decode.autoscaling.minReplicas must be at least 1 when spec.autoscaling.mode is HPA",
+    ),
     (
         "two volume sources",
         {

@@ -287,7 +287,7 @@ def spec_in(mode: str, **autoscaling: Any) -> Any:
     ("mode", "autoscaler", "status_", "reason", "words"),
     [
         ("Off", None, "False", "Off", "the operator keeps spec.<pool>.replicas"),
-        ("HPA", None, "Unknown", "ExternalAutoscaler", "chat-prefill and chat-decode"),
+        ("HPA", None, "Unknown", "HPAPending", "not created yet: chat-prefill, chat-decode"),
         ("Builtin", None, "Unknown", "Starting", "has not evaluated yet"),
         (
             "Builtin",
@@ -315,7 +315,7 @@ def test_autoscaling_condition_says_who_sizes_the_pools(
     assert (c["status"], c["reason"]) == (status_, reason)
     assert words in c["message"]
     assert c["observedGeneration"] == 4
-    assert ("ScalingLimited" in conds(st)) == (mode == "Builtin")
+    assert ("ScalingLimited" in conds(st)) == (mode != "Off")
 
 
 def test_scaling_limited_names_the_bound() -> None:

@@ -71,6 +71,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, podmonitors]
   verbs: [get, create, patch]
+# autoscaling.mode HPA: the pools' HorizontalPodAutoscalers (delete: when the mode changes).
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create]
