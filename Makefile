@@ -3,6 +3,10 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV = $(shell bash hack/venv.sh)
 PYTEST_ARGS ?=
+# This checkout's sources come first, in every recipe and every process the tests start: the
+# cached venv is shared by all clones, and its editable install points at whichever clone last
+# ran hack/venv.sh.
+export PYTHONPATH := $(CURDIR)/workers:$(CURDIR)/operator$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'

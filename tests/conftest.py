@@ -6,6 +6,7 @@ Tests that use `control_plane` or `prometheus` are marked `@pytest.mark.cluster`
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import uuid
@@ -16,6 +17,13 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "hack" / "testplane"))
+# Test this checkout's code, here and in every process the tests start, whatever the shared
+# venv's editable install points at (the clone that last ran hack/venv.sh).
+SOURCES = [str(REPO_ROOT / "workers"), str(REPO_ROOT / "operator")]
+sys.path[:0] = SOURCES
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    SOURCES + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+)
 
 import plane  # noqa: E402  (lives in hack/testplane, put on sys.path just above)
 from promserver import Prometheus  # noqa: E402

@@ -67,3 +67,24 @@ def test_unreadable_or_malformed_file_is_a_config_error(tmp_path: Path) -> None:
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match=r"^config: .*bad\.yaml is not valid YAML"):
         ServingConfig.load(bad)
+
+
+def test_the_tests_run_this_checkouts_code() -> None:
+    # The cached venv is shared by every clone; tests/conftest.py puts this one first, for
+    # this process and the processes the tests start.
+    import subprocess
+    import sys
+
+    import splitserve_operator
+    import splitserve_workers
+
+    root = Path(__file__).resolve().parents[1]
+    for module in (splitserve_workers, splitserve_operator):
+        assert root in Path(module.__file__ or "").resolve().parents
+    child = subprocess.run(
+        [sys.executable, "-c", "import splitserve_workers; print(splitserve_workers.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert root in Path(child.stdout.strip()).resolve().parents
