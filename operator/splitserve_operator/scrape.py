@@ -78,8 +78,8 @@ def fetch(url: str, timeout: float) -> Page:
             raw = resp.read(MAX_PAGE_BYTES + 1)
     except urllib.error.HTTPError as e:
         raise MetricsError(f"{url}: HTTP {e.code} {e.reason}") from e
-    except (OSError, ValueError) as e:
-        raise MetricsError(f"{url}: {getattr(e, 'reason', e)}") from e
+    except Exception as e:  # refused, timed out, a broken HTTP answer: all "did not answer"
+        raise MetricsError(f"{url}: {getattr(e, 'reason', None) or e!r}") from e
     if len(raw) > MAX_PAGE_BYTES:
         raise MetricsError(f"{url}: over {MAX_PAGE_BYTES} bytes")
     try:
@@ -92,6 +92,7 @@ def fetch(url: str, timeout: float) -> Page:
 class Round:
     time: float
     pages: dict[Target, Page]  # targets that answered
+    failed: frozenset[Target] = frozenset()  # targets asked that did not
 
 
 class DirectScraper:
@@ -116,7 +117,7 @@ class DirectScraper:
                         pages[target] = future.result()
                     except MetricsError as e:
                         self.errors[target] = str(e)
-        return self.add(Round(now, pages))
+        return self.add(Round(now, pages, frozenset(self.errors)))
 
     def add(self, round_: Round) -> Round:
         self.rounds.append(round_)
@@ -132,39 +133,58 @@ class DirectScraper:
         end = self.rounds[-1].time
         return [r for r in self.rounds if r.time >= end - seconds]
 
-    def _ends(self, rounds: list[Round], pool: str) -> dict[Target, tuple[Round, Round]]:
-        """Each target of the pool: the first and last round it answered in the window."""
-        ends: dict[Target, tuple[Round, Round]] = {}
+    def _answered(self, rounds: list[Round], pool: str) -> dict[Target, list[Round]]:
+        """Each target of the pool: the rounds in the window it answered, oldest first."""
+        seen: dict[Target, list[Round]] = {}
         for r in rounds:
             for target in r.pages:
                 if target.pool == pool:
-                    first = ends[target][0] if target in ends else r
-                    ends[target] = (first, r)
-        return ends
+                    seen.setdefault(target, []).append(r)
+        return seen
 
     def _rate(self, rounds: list[Round], pool: str, sample: str) -> float:
-        """Sum over the pool's targets of the counter's per-second increase in the window (a
-        target seen once has no rate yet; a restart counts from zero)."""
+        """Sum over the pool's targets of the counter's per-second increase in the window,
+        added up round to round so a restart anywhere in it counts from zero (a target seen
+        once has no rate yet)."""
+        key = (sample, "")
         total = 0.0
-        for target, (first, last) in self._ends(rounds, pool).items():
-            if last.time <= first.time:
+        for target, seen in self._answered(rounds, pool).items():
+            if len(seen) < 2:
                 continue
-            a = first.pages[target].get((sample, ""), 0.0)
-            b = last.pages[target].get((sample, ""), 0.0)
-            total += (b - a if b >= a else b) / (last.time - first.time)
+            increase = 0.0
+            for a, b in zip(seen, seen[1:], strict=False):
+                x, y = a.pages[target].get(key, 0.0), b.pages[target].get(key, 0.0)
+                increase += y - x if y >= x else y
+            total += increase / (seen[-1].time - seen[0].time)
         return total
 
     def _quantile(self, rounds: list[Round], q: float, name: str) -> float | None:
-        """The histogram's quantile over the observations made in the window, all routers."""
+        """The histogram's quantile over the observations made in the window, all routers.
+        Increases are added round to round; a round whose total count fell is a restart, and
+        all its buckets count from zero (so the sum stays cumulative)."""
         merged: dict[float, float] = {}
-        for target, (first, last) in self._ends(rounds, ROUTER).items():
-            if last.time <= first.time:
-                continue
-            before = dict(buckets(first.pages[target], name))
-            for le, count in buckets(last.pages[target], name):
-                old = before.get(le, 0.0)
-                merged[le] = merged.get(le, 0.0) + (count - old if count >= old else count)
+        for target, seen in self._answered(rounds, ROUTER).items():
+            for a, b in zip(seen, seen[1:], strict=False):
+                before = dict(buckets(a.pages[target], name))
+                after = buckets(b.pages[target], name)
+                restarted = bool(after) and after[-1][1] < before.get(math.inf, 0.0)
+                for le, count in after:
+                    grew = count if restarted else max(0.0, count - before.get(le, 0.0))
+                    merged[le] = merged.get(le, 0.0) + grew
         return histogram_quantile(q, sorted(merged.items()))
+
+    def _mean_sum(self, rounds: list[Round], pool: str, sample: str) -> float:
+        """The pool's sum of a gauge, averaged over the window's rounds. A target that was asked
+        but did not answer keeps its last value (it did not drop to zero); one no longer asked
+        (a removed pod) stops counting, as a stale series does in Prometheus."""
+        key = (sample, "")
+        last: dict[Target, float] = {}
+        sums = []
+        for r in rounds:
+            now = {t: page[key] for t, page in r.pages.items() if t.pool == pool and key in page}
+            last = {t: v for t, v in last.items() if t in r.failed} | now
+            sums.append(sum(last.values()))
+        return sum(sums) / len(sums) if sums else 0.0
 
     def _latest(self, pool: str, sample: str) -> list[float]:
         """The sample's value on each of the pool's targets in the last round that has it."""
@@ -192,20 +212,12 @@ class DirectScraper:
         admission = self._quantile(rounds, q, "splitserve_decode_admission_seconds")
         signals: dict[str, Signals] = {}
         for pool in ("prefill", "decode"):
-            running_by_round = [
-                sum(
-                    page.get(("splitserve_requests_running", ""), 0.0)
-                    for t, page in r.pages.items()
-                    if t.pool == pool
-                )
-                for r in rounds
-            ]
             common: dict[str, Any] = dict(
                 reporting=len(self._latest(pool, "splitserve_requests_running")),
                 busy_series=len(self._latest(pool, "splitserve_busy_seconds_total")),
                 busy=self._rate(rounds, pool, "splitserve_busy_seconds_total"),
                 running=sum(self._latest(pool, "splitserve_requests_running")),
-                mean_running=sum(running_by_round) / len(running_by_round),
+                mean_running=self._mean_sum(rounds, pool, "splitserve_requests_running"),
                 waiting=sum(self._latest(pool, "splitserve_requests_waiting")),
                 request_rate=request_rate,
                 in_flight=in_flight,

@@ -55,10 +55,27 @@ async def test_bad_rewrite_keeps_the_last_good_list(
     assert await discovery.endpoints("decode") == ["127.0.0.1:4"]
 
 
-async def test_removed_file_keeps_the_last_good_list(tmp_path: Path) -> None:
+async def test_removed_file_keeps_the_last_good_list(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "workers.json"
     write(path, {"colocated": ["127.0.0.1:5"]})
     discovery = FileDiscovery(str(path))
     path.unlink()
     assert await discovery.endpoints("colocated") == ["127.0.0.1:5"]
+    assert await discovery.endpoints("colocated") == ["127.0.0.1:5"]
     assert discovery.roles() == ["colocated"]
+    warnings = [r.getMessage() for r in caplog.records if "keeping" in r.getMessage()]
+    assert len(warnings) == 1 and "No such file" in warnings[0]
+
+
+async def test_the_roles_are_the_first_reads(tmp_path: Path) -> None:
+    path = tmp_path / "workers.json"
+    write(path, {"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]})
+    discovery = FileDiscovery(str(path))
+    # A rewrite without decode empties that pool; it does not drop the role.
+    write(path, {"prefill": ["127.0.0.1:1"]})
+    assert await discovery.endpoints("decode") == []
+    assert discovery.roles() == ["prefill", "decode"]
+    write(path, {"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:3"]})
+    assert await discovery.endpoints("decode") == ["127.0.0.1:3"]

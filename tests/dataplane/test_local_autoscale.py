@@ -147,3 +147,14 @@ def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+async def test_a_worker_that_fails_to_start_is_forgotten(tmp_path: Path) -> None:
+    # A scale-up whose worker dies before READY is reported, and its exit is not taken later
+    # for the crash of a serving process (which would stop `up`).
+    from splitserve_workers.local import LocalStack
+
+    stack = LocalStack(tmp_path, threads_per_child=1)
+    with pytest.raises(RuntimeError, match="decode-9 did not start"):
+        await stack.start("decode-9", ["decode", "--no-such-flag"])
+    assert stack.children == [] and stack.exited == []

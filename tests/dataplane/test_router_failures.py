@@ -423,3 +423,34 @@ def test_worker_leaving_discovery_mid_stream_finishes_its_streams(
     assert finished == ["length"]
     assert old.proc.wait(timeout=WAIT_S) == 0, old.log()[-2000:]
     assert load(new.endpoint, "decode").free_blocks == load(new.endpoint, "decode").total_blocks
+
+
+async def test_a_worker_picked_before_it_left_discovery_can_still_be_called(
+    tiny_model: Path, launch_worker: Any, worker_flags: Any, tmp_path: Path
+) -> None:
+    """A request picks its decode worker, then spends seconds in prefill; meanwhile the worker
+    leaves discovery (retired). Its channel must still carry the request's next call."""
+    from splitserve_workers.router.discovery import FileDiscovery
+    from splitserve_workers.router.picking import WorkerPool
+
+    decode = launch_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "16"))
+    path = tmp_path / "workers.json"
+
+    def publish(endpoints: list[str]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"prefill": [], "decode": endpoints}))
+        tmp.replace(path)
+
+    publish([decode.endpoint])
+    pool = WorkerPool("decode", FileDiscovery(str(path)), "most_free_blocks", poll_interval=60)
+    await pool.start()
+    try:
+        picked = pool.pick()
+        assert picked is not None
+        publish([])
+        await pool.refresh()
+        assert pool.pick() is None and picked.load.draining
+        report = await picked.stub.Load(pb.LoadRequest(), timeout=WAIT_S)
+        assert report.total_blocks == 16
+    finally:
+        await pool.close()

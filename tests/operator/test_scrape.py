@@ -186,3 +186,47 @@ def test_scrape_over_http_and_what_it_refuses(server: tuple[str, dict[str, bytes
     scraper.scrape([Target("router", "router", base + "/missing"), targets[1]], now=1.0)
     with pytest.raises(MetricsError, match="the router's /metrics did not answer: .*404"):
         scraper.read(95, 60)
+
+
+def test_a_restart_mid_window_is_seen_round_to_round() -> None:
+    # A container restarted in place keeps its pod name (the same target); its counter climbs
+    # back past the old value before the window ends.
+    router, p0 = Process("router"), Process("prefill")
+    scraper = DirectScraper(keep=100)
+    p0.w.busy_seconds.labels(**p0.labels).inc(10)
+    scraper.add(round_at(0.0, {ROUTER: router, P0: p0}))
+    p0.w.busy_seconds.labels(**p0.labels).inc(2)  # 12 at 5 s
+    scraper.add(round_at(5.0, {ROUTER: router, P0: p0}))
+    restarted = Process("prefill")
+    restarted.w.busy_seconds.labels(**restarted.labels).inc(3)  # 3 at 7 s: restarted
+    scraper.add(round_at(7.0, {ROUTER: router, P0: restarted}))
+    restarted.w.busy_seconds.labels(**restarted.labels).inc(12)  # 15 at 10 s
+    scraper.add(round_at(10.0, {ROUTER: router, P0: restarted}))
+    # 2 + 3 + 12 busy seconds; first-to-last (15 - 10) would say 5.
+    assert scraper.read(95, 10)["prefill"].busy == pytest.approx((2 + 3 + 12) / 10)
+
+
+def test_a_restarted_routers_histogram_stays_cumulative() -> None:
+    old, new = Process("router"), Process("router")
+    scraper = DirectScraper(keep=100)
+    for _ in range(100):
+        old.m.tpot.labels(**old.labels).observe(0.2)  # 100 slow tokens before the window
+    scraper.add(round_at(0.0, {ROUTER: old}))
+    for _ in range(10):
+        new.m.tpot.labels(**new.labels).observe(0.004)  # after the restart: 10 fast ones
+    scraper.add(round_at(5.0, {ROUTER: new}))
+    # Only the 10 new tokens count, all in (2.5 ms, 5 ms].
+    assert scraper.read(95, 10)["decode"].latency == pytest.approx(0.0025 + 0.0025 * 0.95)
+
+
+def test_a_missed_scrape_keeps_the_last_value_and_a_removed_target_stops() -> None:
+    router, d0, d1 = Process("router"), Process("decode"), Process("decode")
+    d0.w.requests_running.labels(**d0.labels).set(4)
+    d1.w.requests_running.labels(**d1.labels).set(6)
+    scraper = DirectScraper(keep=100)
+    scraper.add(round_at(0.0, {ROUTER: router, D0: d0, D1: d1}))
+    # d1 times out this round: it still holds its 6 sequences as far as anyone knows.
+    scraper.add(Round(1.0, {ROUTER: router.page(), D0: d0.page()}, frozenset({D1})))
+    # d1 is gone (scaled down): no longer asked, no longer counted.
+    scraper.add(round_at(2.0, {ROUTER: router, D0: d0}))
+    assert scraper.read(95, 10)["decode"].mean_running == pytest.approx((10 + 10 + 4) / 3)

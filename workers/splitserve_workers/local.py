@@ -155,6 +155,13 @@ class LocalStack:
             m = await asyncio.wait_for(ready, START_TIMEOUT_S)
             child.port, child.metrics_port = int(m["port"]), int(m["metrics"] or 0)
         except (TimeoutError, RuntimeError) as e:
+            # Not started is not a child: stop it (if it still runs) and forget it, so its
+            # later exit is not taken for a crash of a serving process.
+            child.retiring = True
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            self.children.remove(child)
             raise RuntimeError(
                 f"{name} did not start ({e or 'timed out'}); its log "
                 f"{log_path}:\n{child.log_tail()}"

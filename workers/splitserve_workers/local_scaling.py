@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve_operator.autoscaler import (
-    SCALE_DOWN,
-    SCALE_UP,
     Decision,
     History,
     Objectives,
@@ -54,6 +52,7 @@ class LocalPool:
     serving: list[Child] = field(default_factory=list)
     starting: int = 0
     retiring: list[Child] = field(default_factory=list)
+    failed_at: float | None = None  # when a scale-up's worker last failed to start
 
     @property
     def replicas(self) -> int:
@@ -145,7 +144,10 @@ class LocalAutoscaler:
                     await asyncio.wait_for(stop.wait(), self.interval)
                 if stop.is_set():
                     return
-                await self.evaluate()
+                try:
+                    await self.evaluate()
+                except Exception as e:  # one bad evaluation must not end autoscaling
+                    self.say(f"autoscaler: evaluation failed: {e!r}; trying again next interval")
         finally:
             for task in list(self._tasks):
                 task.cancel()
@@ -158,6 +160,8 @@ class LocalAutoscaler:
         except MetricsError as e:
             self._say_once("autoscaler", ("unavailable", 0), f"autoscaler: no metrics ({e})")
             return None
+        if self._said.pop("autoscaler", None):
+            self.say("autoscaler: metrics are back")
         states = {
             name: PoolState(
                 name,
@@ -207,10 +211,18 @@ class LocalAutoscaler:
 
     def act(self, name: str, decision: Decision) -> None:
         pool = self.pools[name]
-        if decision.verdict == SCALE_UP or decision.replicas > decision.current:
+        if decision.replicas > decision.current:
+            if pool.failed_at is not None and self.clock() - pool.failed_at < self.window:
+                self._say_once(
+                    f"{name}:backoff",
+                    ("backoff", round(pool.failed_at)),
+                    f"autoscale {name}: a worker failed to start; not starting another for "
+                    f"{self.window:g}s",
+                )
+                return
             for _ in range(decision.replicas - decision.current):
                 self._spawn(self._start(pool))
-        elif decision.verdict == SCALE_DOWN or decision.replicas < decision.current:
+        elif decision.replicas < decision.current:
             load = self.scraper.pod_load(name)
             idlest = sorted(pool.serving, key=lambda c: load.get(c.name, 0.0))
             leaving = idlest[: min(decision.current - decision.replicas, len(pool.serving))]
@@ -233,6 +245,7 @@ class LocalAutoscaler:
         try:
             child = await self.stack.start(name, [pool.name, *self.worker_args])
         except RuntimeError as e:
+            pool.failed_at = self.clock()
             self.say(f"autoscale {pool.name}: {e}")
             return
         finally:

@@ -102,14 +102,19 @@ class DnsDiscovery(Discovery):
 MAX_WORKERS_FILE_BYTES = 1 << 20
 
 
-def read_workers_file(path: str) -> dict[str, list[str]]:
-    """{"prefill": ["host:port", ...], "decode": [...], "colocated": [...]} (roles optional);
-    ValueError says what is wrong with it."""
+Stamp = tuple[int, int, int]  # inode, mtime_ns, size: a rename or a rewrite changes it
+
+
+def read_workers_file(path: str) -> tuple[dict[str, list[str]], Stamp]:
+    """{"prefill": ["host:port", ...], "decode": [...], "colocated": [...]} (roles optional),
+    and the stamp of the file actually read; ValueError says what is wrong with it."""
     try:
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
             raw = f.read(MAX_WORKERS_FILE_BYTES + 1)
     except OSError as e:
         raise ValueError(f"workers file {path}: {e.strerror}") from None
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
     if len(raw) > MAX_WORKERS_FILE_BYTES:
         raise ValueError(f"workers file {path}: over {MAX_WORKERS_FILE_BYTES} bytes")
     try:
@@ -128,45 +133,51 @@ def read_workers_file(path: str) -> dict[str, list[str]]:
             out[role] = split_endpoints(endpoints)
         except ValueError as e:
             raise ValueError(f"workers file {path}: {role}: {e}") from None
-    return out
+    return out, stamp
 
 
 class FileDiscovery(Discovery):
     """Endpoints from a JSON file that another process rewrites (atomically, by rename) as it
     adds and removes workers: local mode's autoscaler. Re-read when it changes; a file that
-    becomes unreadable or invalid keeps the last good answer (and says so once)."""
+    becomes unreadable, missing or invalid keeps the last good answer (and says so once). The
+    roles are those of the first read; a role missing from a later one has no endpoints."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._by_role = read_workers_file(path)  # the roles are fixed by the first read
-        self._stamp = self._stat()
+        self._by_role, self._stamp = read_workers_file(path)
+        self._roles = [r for r in ROLES if r in self._by_role]
         self._warned = False
 
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+    def _warn(self, problem: str) -> None:
+        if not self._warned:
+            log.warning("%s; keeping the last good worker list", problem)
+            self._warned = True
 
     def _reload(self) -> None:
-        stamp = self._stat()
-        if stamp is None or stamp == self._stamp:
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            self._warn(f"workers file {self.path}: {e.strerror}")
+            return
+        if (st.st_ino, st.st_mtime_ns, st.st_size) == self._stamp:
             return
         try:
-            found = read_workers_file(self.path)
-            if any(found.get(r) for r in ROLES if r not in self.roles()):
-                raise ValueError(f"workers file {self.path}: the roles cannot change at run time")
+            found, stamp = read_workers_file(self.path)
+            added = [r for r in found if r not in self._roles and found[r]]
+            if added:
+                raise ValueError(
+                    f"workers file {self.path}: the roles cannot change at run time "
+                    f"({', '.join(added)} is new)"
+                )
         except ValueError as e:
-            if not self._warned:
-                log.warning("%s; keeping the last good worker list", e)
-                self._warned = True
+            self._warn(str(e))
             return
-        self._by_role, self._stamp, self._warned = found, stamp, False
+        self._by_role = {r: found.get(r, []) for r in self._roles}
+        self._stamp, self._warned = stamp, False
 
     async def endpoints(self, role: str) -> list[str]:
         self._reload()
         return list(self._by_role.get(role, []))
 
     def roles(self) -> list[str]:
-        return [r for r in ROLES if r in self._by_role]
+        return list(self._roles)

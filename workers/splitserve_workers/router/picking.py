@@ -42,8 +42,8 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 # A worker that refuses connections is gone at once; one whose Load answer comes late is busy (a
 # long prefill, a loaded node), so only this many late answers in a row take it out of picking.
 MAX_LATE_POLLS = 3
-# A worker that leaves discovery keeps its channel this long for the streams it still serves:
-# past the workers' default drain timeout (60 s), which cuts them on its side anyway.
+# A worker that leaves discovery keeps its channel open this long for the requests that picked
+# it before: past the workers' default drain timeout (60 s), which cuts them on its side anyway.
 RETIRED_CHANNEL_GRACE_S = 120.0
 
 
@@ -179,11 +179,13 @@ class WorkerPool:
         endpoints = set(await self._discovery.endpoints(self.role))
         for gone in set(self.workers) - endpoints:
             # Gone from discovery is not dead: a draining worker leaves DNS (or the workers
-            # file) while it finishes its streams. Closing the channel at once would cancel
-            # them, so it closes after they end (or after the grace).
-            channel = self.workers.pop(gone).channel
-            task = asyncio.create_task(channel.close(grace=RETIRED_CHANNEL_GRACE_S))
-            self._retiring[task] = channel
+            # file) while it finishes its streams, and a request that picked it just before
+            # may not have called it yet. Closing the channel (even with a grace) would fail
+            # both, so it stays open, out of picking, for the grace, and closes after.
+            worker = self.workers.pop(gone)
+            worker.load.draining = True  # a request holding it swaps it where it can
+            task = asyncio.create_task(self._close_later(worker.channel))
+            self._retiring[task] = worker.channel
             task.add_done_callback(lambda t: self._retiring.pop(t, None))
         for endpoint in endpoints - set(self.workers):
             channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
@@ -193,6 +195,11 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
         self._changed.set()
         self._changed = asyncio.Event()
+
+    @staticmethod
+    async def _close_later(channel: grpc.aio.Channel) -> None:
+        await asyncio.sleep(RETIRED_CHANNEL_GRACE_S)
+        await channel.close()
 
     async def _poll(self, worker: Worker) -> None:
         try:
