@@ -43,6 +43,7 @@ from .spec import Spec, SpecError, gpus_per_replica, parse_duration, parse_spec
 from .status import now_rfc3339
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+COMPONENT = "app.kubernetes.io/component"
 SCALED_POOLS = ("prefill", "decode")
 # Signals are rates over this many evaluation intervals (and at least MIN_WINDOW_SECONDS), so
 # one quiet or busy scrape does not decide alone.
@@ -124,12 +125,15 @@ class DirectSource:
         self.description = "the pods' /metrics, scraped by the operator"
 
     def read(self, percentile: float, window: float, now: float) -> dict[str, Signals]:
+        # One list for the whole service; each pod's component label says its pool.
+        service = {k: v for k, v in selector_labels(self.service, ROUTER).items() if k != COMPONENT}
         targets: list[Target] = []
-        for pool in (ROUTER, *SCALED_POOLS):
-            pods = self.kube.list_objects(
-                "v1", "pods", self.namespace, selector_labels(self.service, pool)
-            )
-            targets += [t for p in pods if _ready(p) and (t := scrape_target(p, pool))]
+        for pod in self.kube.list_objects("v1", "pods", self.namespace, service):
+            pool = (pod["metadata"].get("labels") or {}).get(COMPONENT, "")
+            if pool in (ROUTER, *SCALED_POOLS) and _ready(pod):
+                target = scrape_target(pod, pool)
+                if target is not None:
+                    targets.append(target)
         if not any(t.pool == ROUTER for t in targets):
             raise MetricsError(f"no ready {self.service}-router pod to scrape")
         self.scraper.keep = window

@@ -6,11 +6,9 @@ drains and exits 0. Every request made meanwhile completes; nothing here is time
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from test_local_up import env_with, up_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +27,7 @@ WAIT_S = 600.0
 
 def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "splitserve_workers.cli",
-            "up",
+        up_cmd(
             "--model",
             str(tiny_model),
             "--port",
@@ -55,11 +50,11 @@ def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_pat
             "0.5",
             "--scale-down-stabilization",
             "3",
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        env=env_with(),
     )
     lines: list[str] = []
     changed = threading.Condition()

@@ -68,6 +68,22 @@ def sse_events(response: httpx.Response) -> Any:
             yield data if data == "[DONE]" else json.loads(data)
 
 
+def stream_completion(base: str, body: dict[str, Any], after_three: Any) -> list[Any]:
+    """Stream a completion, call after_three() once its third event arrived, and return every
+    event. The read timeout turns a hang into a failure; the stream must end long before."""
+    events: list[Any] = []
+    with (
+        httpx.Client(timeout=httpx.Timeout(WAIT_S)) as client,
+        client.stream("POST", base + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for event in sse_events(r):
+            events.append(event)
+            if len(events) == 3:
+                after_three()
+    return events
+
+
 def test_client_disconnect_aborts_on_both_pools(
     tiny_model: Path, launch_worker: Any, worker_flags: Any
 ) -> None:
@@ -194,27 +210,20 @@ def test_decode_killed_mid_stream_ends_with_error_event(
         "ignore_eos": True,
         "stream": True,
     }
-    events: list[Any] = []
-    killed_at = 0.0
-    ended_at = 0.0
-    # The read timeout turns a hang into a failure; the stream must end by itself long before.
-    with (
-        httpx.Client(timeout=httpx.Timeout(WAIT_S)) as client,
-        client.stream("POST", base + "/v1/completions", json=body) as r,
-    ):
-        assert r.status_code == 200
-        for event in sse_events(r):
-            events.append(event)
-            if len(events) == 3:
-                decode.kill()
-                killed_at = time.monotonic()
-        ended_at = time.monotonic()
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        decode.kill()
+        killed_at.append(time.monotonic())
+
+    events = stream_completion(base, body, kill)
+    ended_at = time.monotonic()
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1, events[-3:]
     assert "decode worker" in errors[0]["error"]["message"]
     assert events[-1] == "[DONE]"
     assert len(events) < 200  # it did not somehow finish the generation
-    print(f"stream ended {ended_at - killed_at:.3f}s after the decode worker was killed")
+    print(f"stream ended {ended_at - killed_at[0]:.3f}s after the decode worker was killed")
     metrics = httpx.get(base + "/metrics", timeout=WAIT_S).text
     assert 'status="error"' in metrics
 
@@ -389,30 +398,24 @@ def test_worker_leaving_discovery_mid_stream_finishes_its_streams(
         workers = httpx.get(base + "/debug/workers", timeout=WAIT_S).json()
         return [w["endpoint"] for w in workers["decode"]]
 
+    def retire_old() -> None:
+        publish([new.endpoint])
+        deadline = time.monotonic() + WAIT_S
+        while decode_endpoints() != [new.endpoint] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert decode_endpoints() == [new.endpoint]
+        old.proc.send_signal(signal.SIGTERM)
+        # A request made now is served by the new worker while the old one drains.
+        other = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True},
+            timeout=WAIT_S,
+        )
+        assert other.status_code == 200, other.text
+        assert other.json()["usage"]["completion_tokens"] == 4
+
     body = {"prompt": "keep going", "max_tokens": 300, "ignore_eos": True, "stream": True}
-    events: list[Any] = []
-    with (
-        httpx.Client(timeout=httpx.Timeout(WAIT_S)) as client,
-        client.stream("POST", base + "/v1/completions", json=body) as r,
-    ):
-        assert r.status_code == 200
-        for event in sse_events(r):
-            events.append(event)
-            if len(events) == 3:
-                publish([new.endpoint])
-                deadline = time.monotonic() + WAIT_S
-                while decode_endpoints() != [new.endpoint] and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                assert decode_endpoints() == [new.endpoint]
-                old.proc.send_signal(signal.SIGTERM)
-                # A request made now is served by the new worker while the old one drains.
-                other = httpx.post(
-                    base + "/v1/completions",
-                    json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True},
-                    timeout=WAIT_S,
-                )
-                assert other.status_code == 200, other.text
-                assert other.json()["usage"]["completion_tokens"] == 4
+    events = stream_completion(base, body, retire_old)
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     assert errors == []
     assert events[-1] == "[DONE]"

@@ -275,26 +275,22 @@ def test_prefill_does_not_shrink_while_ttft_misses_whatever_the_cause() -> None:
 def test_a_breach_is_answered_once_per_signal_window() -> None:
     histories: dict[str, History] = {}
     slow = Signals(reporting=2, latency=0.08, kv_usage=0.3, running=10)
-    d = decide(
-        {"prefill": pool("prefill"), "decode": pool("decode", 2)},
-        {"prefill": steady_prefill(2), "decode": slow},
-        OBJ, histories, 0.0, WINDOW, settle=60.0,
-    )["decode"]  # fmt: skip
+
+    def decode_at(replicas: int, sig: Signals, now: float) -> Decision:
+        return decide(
+            {"prefill": pool("prefill"), "decode": pool("decode", replicas)},
+            {"prefill": steady_prefill(2), "decode": sig},
+            OBJ, histories, now, WINDOW, settle=60.0,
+        )["decode"]  # fmt: skip
+
+    d = decode_at(2, slow, 0.0)
     assert (d.verdict, d.replicas) == (SCALE_UP, 4)
     # 4 ready and scraped, but the 60 s window still holds the slow TPOT from before.
     slow4 = replace(slow, reporting=4)
-    d = decide(
-        {"prefill": pool("prefill"), "decode": pool("decode", 4)},
-        {"prefill": steady_prefill(2), "decode": slow4},
-        OBJ, histories, 30.0, WINDOW, settle=60.0,
-    )["decode"]  # fmt: skip
+    d = decode_at(4, slow4, 30.0)
     assert (d.verdict, d.replicas) == ("Settling", 4)
     assert "the last scale-up 30s ago is not in the 60s of metrics yet" in d.reason
-    d = decide(
-        {"prefill": pool("prefill"), "decode": pool("decode", 4)},
-        {"prefill": steady_prefill(2), "decode": slow4},
-        OBJ, histories, 61.0, WINDOW, settle=60.0,
-    )["decode"]  # fmt: skip
+    d = decode_at(4, slow4, 61.0)
     assert (d.verdict, d.replicas) == (SCALE_UP, 7)
 
 
