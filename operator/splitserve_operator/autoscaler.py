@@ -42,7 +42,9 @@ NO_METRICS = "NoMetrics"
 AT_MAX = "AtMaxReplicas"
 AT_MIN = "AtMinReplicas"
 GPU_BUDGET = "GPUBudget"
-LIMITED = frozenset({AT_MAX, GPU_BUDGET})
+RATIO_BOUND = "RatioBound"  # raised (or held up) to keep prefill:decode within bounds
+RATIO_LIMITED = "RatioLimited"  # a scale-up trimmed because the other pool cannot follow
+LIMITED = frozenset({AT_MAX, GPU_BUDGET, RATIO_LIMITED})
 
 # The autoscaler's own state (status.autoscaler.state, scaling.py), read by the Autoscaling
 # condition (status.py).
@@ -55,6 +57,27 @@ class Objectives:
     ttft_seconds: float
     tpot_seconds: float
     percentile: float
+
+
+@dataclass(frozen=True)
+class RatioBounds:
+    """Prefill replicas per decode replica (spec.autoscaling.prefillPerDecode): at least `low`,
+    at most `high` (None: unbounded)."""
+
+    low: float | None = None
+    high: float | None = None
+
+
+def unreachable_ratio(
+    ratio: RatioBounds, prefill: tuple[int, int], decode: tuple[int, int]
+) -> str | None:
+    """ "max" or "min" when that bound can never hold given each pool's (minReplicas,
+    maxReplicas); None when both can."""
+    if ratio.high is not None and prefill[0] > ratio.high * decode[1] + 1e-9:
+        return "max"  # the fewest prefill replicas need more decode replicas than allowed
+    if ratio.low is not None and prefill[1] < ratio.low * decode[0] - 1e-9:
+        return "min"
+    return None
 
 
 @dataclass(frozen=True)
@@ -374,11 +397,13 @@ def decide(
     gpu_budget: int | None = None,
     settle: float = 0.0,
     source: str = "Prometheus",
+    ratio: RatioBounds | None = None,
 ) -> dict[str, Decision]:
     """One evaluation for both pools: replicas, verdict and reason each. window: the
     scale-down stabilization; settle: how long after a scale-up the signals still describe
     the pool before it (their rate window), during which it does not scale up again. source:
-    who reads the pods' metrics (Prometheus, or the operator scraping them), for the reasons."""
+    who reads the pods' metrics (Prometheus, or the operator scraping them), for the reasons.
+    ratio: bounds on prefill replicas per decode replica, applied after the GPU budget."""
     hint = "is it scraping them?" if source == "Prometheus" else "can it reach their metrics port?"
     decisions: dict[str, Decision] = {}
     urgency: dict[str, float] = {}
@@ -475,6 +500,8 @@ def decide(
         decisions[pool] = Decision(pool, state.replicas, want, verdict, reason, inputs)
     if gpu_budget is not None:
         decisions = _within_budget(states, decisions, urgency, gpu_budget)
+    if ratio is not None and {"prefill", "decode"} <= decisions.keys():
+        decisions = _within_ratio(states, decisions, ratio, gpu_budget)
     for pool, d in decisions.items():
         if d.replicas > d.current:
             histories.setdefault(pool, History()).last_scale_up = now
@@ -508,6 +535,85 @@ def _within_budget(
                 reason=f"{d.reason}; limited by gpuBudget {budget} ({gpus} GPUs per replica)",
             )
         out[pool] = d
+    return out
+
+
+def _within_ratio(
+    states: dict[str, PoolState],
+    decisions: dict[str, Decision],
+    ratio: RatioBounds,
+    budget: int | None,
+) -> dict[str, Decision]:
+    """Keep prefill replicas per decode replica within [ratio.low, ratio.high]. The pool that
+    lags is raised (or kept from shrinking), up to its maxReplicas and the GPU budget's room;
+    only when it cannot follow is the other pool's scale-up trimmed. Like the budget, this never
+    scales a pool below its current replicas: a bound that still cannot hold is said in the
+    reason, and the next evaluations close it as the pools' own decisions move."""
+    out = dict(decisions)
+    eps = 1e-9
+    for field_name, bound_value in (("max", ratio.high), ("min", ratio.low)):
+        if bound_value is None:
+            continue
+        p, d = out["prefill"].replicas, out["decode"].replicas
+        if field_name == "max":
+            # Too much prefill for the decode pool: decode follows, else prefill is trimmed.
+            if p <= bound_value * d + eps:
+                continue
+            lagging, leading = "decode", "prefill"
+            need = math.ceil(p / bound_value - eps)
+        else:
+            # Too little prefill for the decode pool: prefill follows, else decode is trimmed.
+            if p >= bound_value * d - eps:
+                continue
+            lagging, leading = "prefill", "decode"
+            need = math.ceil(bound_value * d - eps)
+        what = f"prefillPerDecode.{field_name} {bound_value:g}"
+        lag = out[lagging]
+        state = states[lagging]
+        room = state.max_replicas
+        gpus = state.gpus_per_replica
+        if budget is not None and gpus:
+            spare = budget - used_with(out, states, lagging, lag.replicas)
+            room = min(room, lag.replicas + max(spare, 0) // gpus)
+        raised = max(lag.replicas, min(need, room))
+        if raised > lag.replicas:
+            lead_n = out[leading].replicas
+            out[lagging] = replace(
+                lag,
+                replicas=raised,
+                verdict=RATIO_BOUND,
+                reason=f"{lag.reason}; {raised} to keep {what} with {lead_n} {leading} replicas",
+            )
+        p, d = out["prefill"].replicas, out["decode"].replicas
+        met = p <= bound_value * d + eps if field_name == "max" else p >= bound_value * d - eps
+        if met:
+            continue
+        lead = out[leading]
+        keep = max(min(lead.current, lead.replicas), states[leading].min_replicas)
+        if field_name == "max":
+            fits = math.floor(bound_value * d + eps)
+        else:
+            fits = math.floor(p / bound_value + eps)
+        trimmed = min(lead.replicas, max(keep, fits))
+        limit = f"{lagging} is at {out[lagging].replicas}" + (
+            f", its maxReplicas {state.max_replicas}"
+            if out[lagging].replicas >= state.max_replicas
+            else f", all the gpuBudget {budget} allows"
+        )
+        if trimmed < lead.replicas:
+            lead = replace(
+                lead,
+                replicas=trimmed,
+                verdict=RATIO_LIMITED,
+                reason=f"{lead.reason}; limited to {trimmed} by {what}: {limit}",
+            )
+        p, d = (lead.replicas, d) if leading == "prefill" else (p, lead.replicas)
+        if not (p <= bound_value * d + eps if field_name == "max" else p >= bound_value * d - eps):
+            lead = replace(
+                lead,
+                reason=f"{lead.reason}; {what} is not met ({p} prefill, {d} decode): {limit}",
+            )
+        out[leading] = lead
     return out
 
 

@@ -30,6 +30,7 @@ from .autoscaler import (
     History,
     Objectives,
     PoolState,
+    RatioBounds,
     Signals,
     decide,
 )
@@ -213,6 +214,7 @@ class Scaler:
             spec.gpu_budget,
             settle=window,
             source=source.name,
+            ratio=RatioBounds(spec.prefill_per_decode_min, spec.prefill_per_decode_max),
         )
         scaled: dict[str, str] = {}
         for pool, decision in decisions.items():

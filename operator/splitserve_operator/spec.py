@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .autoscaler import RatioBounds, unreachable_ratio
+
 AUTOSCALING_MODES = ("Builtin", "HPA", "Off")
 POOLS = ("router", "prefill", "decode")
 
@@ -133,6 +135,9 @@ class Spec:
     scale_down_stabilization: float = 300.0
     gpu_budget: int | None = None
     prometheus_url: str | None = None
+    # spec.autoscaling.prefillPerDecode: prefill replicas per decode replica (None: unbounded)
+    prefill_per_decode_min: float | None = None
+    prefill_per_decode_max: float | None = None
 
     def pool(self, name: str) -> Pool:
         return {"router": self.router, "prefill": self.prefill, "decode": self.decode}[name]
@@ -255,6 +260,7 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
     if autoscaling.get("gpuBudget") is not None:
         gpu_budget = _int(autoscaling, "gpuBudget", 0, "spec.autoscaling")
     prometheus = (autoscaling.get("metrics") or {}).get("prometheus") or {}
+    ratio_min, ratio_max = _prefill_per_decode(autoscaling, mode, prefill, decode)
     return Spec(
         model_name=str(model["name"]),
         model_path=str(model["path"]),
@@ -284,7 +290,49 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
         ),
         gpu_budget=gpu_budget,
         prometheus_url=prometheus.get("url") or None,
+        prefill_per_decode_min=ratio_min,
+        prefill_per_decode_max=ratio_max,
     )
+
+
+def _prefill_per_decode(
+    autoscaling: dict[str, Any], mode: str, prefill: Pool, decode: Pool
+) -> tuple[float | None, float | None]:
+    """spec.autoscaling.prefillPerDecode {min, max}: checked as the CRD's CEL rules do."""
+    ratio = autoscaling.get("prefillPerDecode")
+    if ratio is None:
+        return None, None
+    path = "spec.autoscaling.prefillPerDecode"
+    if mode != "Builtin":
+        raise SpecError(f"{path}: applies only when spec.autoscaling.mode is Builtin")
+    out: list[float | None] = []
+    for key in ("min", "max"):
+        value = ratio.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise SpecError(f"{path}.{key}: {value!r} is not a number")
+        if value is not None and not value > 0:
+            raise SpecError(f"{path}.{key}: {value} must be greater than 0")
+        out.append(None if value is None else float(value))
+    low, high = out
+    if low is not None and high is not None and low > high:
+        raise SpecError(f"{path}: min {low:g} must not exceed max {high:g}")
+    p, d = prefill.bounds, decode.bounds
+    if p is not None and d is not None:
+        ranges = (p.min_replicas, p.max_replicas), (d.min_replicas, d.max_replicas)
+        which = unreachable_ratio(RatioBounds(low, high), *ranges)
+        if which == "max":
+            raise SpecError(
+                f"{path}.max: {high:g} cannot hold: spec.prefill.autoscaling.minReplicas "
+                f"{p.min_replicas} needs more than spec.decode.autoscaling.maxReplicas "
+                f"{d.max_replicas} decode replicas"
+            )
+        if which == "min":
+            raise SpecError(
+                f"{path}.min: {low:g} cannot hold: spec.decode.autoscaling.minReplicas "
+                f"{d.min_replicas} needs more than spec.prefill.autoscaling.maxReplicas "
+                f"{p.max_replicas} prefill replicas"
+            )
+    return low, high
 
 
 def gpus_per_replica(pool: Pool) -> int:

@@ -254,8 +254,9 @@ def hpa_limited_condition(
 
 
 def scaling_limited_condition(autoscaler: Mapping[str, Any] | None) -> tuple[bool, str, str]:
-    """True while a bound (maxReplicas, gpuBudget) holds a pool below what it needs; False
-    while the autoscaler cannot measure (its last decisions are no longer current)."""
+    """True while a bound (maxReplicas, gpuBudget, prefillPerDecode) holds a pool below what it
+    needs; False while the autoscaler cannot measure (its last decisions are no longer
+    current)."""
     state = (autoscaler or {}).get("state")
     if state and state != ACTIVE:
         return False, str(state), "the autoscaler is not deciding: see the Autoscaling condition"

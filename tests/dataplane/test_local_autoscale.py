@@ -1,7 +1,8 @@
 """`splitserve up --autoscale` with real processes: load that breaks the TPOT objective adds a
-decode worker (started, then published to the router), and once the load is gone the idlest
-decode worker is retired after the stabilization window: it leaves the router's workers file,
-drains and exits 0. Every request made meanwhile completes; nothing here is timed."""
+decode worker (started, then published to the router), and a prefill worker with it to keep
+at least one prefill worker per decode worker; once the load is gone the idlest worker of each
+pool is retired after the stabilization window: it leaves the router's workers file, drains
+and exits 0. Every request made meanwhile completes; nothing here is timed."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_pat
             "--max-decode",
             "2",
             "--max-prefill",
+            "2",
+            # Prefill's own signals never ask for more here; this bound does.
+            "--min-prefill-per-decode",
             "1",
             # Any measured TPOT breaks a 0.1 ms objective, so load always asks for more decode.
             "--slo-tpot",
@@ -109,24 +113,34 @@ def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_pat
                 pool.submit(client, i)
             until = time.monotonic() + WAIT_S
             wait_line(r"autoscale decode 1 -> 2: TPOT p95 \S+ is above the objective", until)
-            wait_line(r"decode-\d+ is serving \(prefill 1, decode 2\)", until)
-            assert len(published()["decode"]) == 2
+            wait_line(
+                r"autoscale prefill 1 -> 2: .*; 2 to keep prefillPerDecode.min 1 with 2 decode "
+                "replicas",
+                until,
+            )
+            wait_line(r"decode-\d+ is serving", until)
+            wait_line(r"prefill-\d+ is serving", until)
+            assert (len(published()["prefill"]), len(published()["decode"])) == (2, 2)
             # Served by both now: a few more rounds with the new worker in the router's list.
             served = len(results)
             while len(results) < served + 8 and time.monotonic() < until:
                 time.sleep(0.2)
             stop_load.set()
         assert results and all(r == (200, 24) for r in results), results[-5:]
-        assert "autoscale prefill 1 ->" not in "".join(lines), "prefill has no reason to grow"
+        grew = [line for line in lines if "autoscale prefill 1 ->" in line]
+        assert len(grew) == 1 and "prefillPerDecode.min" in grew[0], grew
 
         # Idle: after the stabilization window the idlest decode worker is retired and drains.
         until = time.monotonic() + WAIT_S
         down = wait_line(r"autoscale decode 2 -> 1: ", until)
-        gone = wait_line(r"(decode-\d+) drained and exited with 0 \(prefill 1, decode 1\)", until)
-        assert len(published()["decode"]) == 1
+        wait_line(r"autoscale prefill 2 -> 1: ", until)
+        gone = wait_line(r"(decode-\d+) drained and exited with 0", until)
+        wait_line(r"prefill-\d+ drained and exited with 0", until)
+        wait_line(r"exited with 0 \(prefill 1, decode 1\)", until)
+        assert (len(published()["prefill"]), len(published()["decode"])) == (1, 1)
         children = psutil.Process(proc.pid).children(recursive=True)
-        decode_left = [c for c in children if c.cmdline()[3:4] == ["decode"]]
-        assert len(decode_left) == 1, [c.cmdline() for c in children]
+        roles = [c.cmdline()[3:4] for c in children]
+        assert (roles.count(["prefill"]), roles.count(["decode"])) == (1, 1), roles
         print(down.string.strip(), "|", gone.string.strip(), "| first decode was", first_decode)
 
         # The pool that is left serves.

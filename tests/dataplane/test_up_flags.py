@@ -28,6 +28,40 @@ from splitserve_workers.cli import main
         (["--autoscale", "--slo-percentile", "100"], "--slo-percentile: 100.0 must be in"),
         (["--autoscale", "--scale-interval", "0"], "--scale-interval: 0.0 must be positive"),
         (["--autoscale", "--scale-down-stabilization", "-1"], "--scale-down-stabilization"),
+        (["--max-prefill-per-decode", "1"], "--max-prefill-per-decode needs --autoscale"),
+        (["--autoscale", "--min-prefill-per-decode", "0"], "--min-prefill-per-decode: 0 must"),
+        (
+            ["--autoscale", "--min-prefill-per-decode", "2", "--max-prefill-per-decode", "1"],
+            "--min-prefill-per-decode: 2 is above --max-prefill-per-decode 1",
+        ),
+        (
+            [
+                "--autoscale",
+                "--min-prefill",
+                "3",
+                "--prefill",
+                "3",
+                "--max-prefill-per-decode",
+                "0.5",
+            ],
+            "--max-prefill-per-decode: 0.5 cannot hold: --min-prefill 3 needs more than "
+            "--max-decode 4",
+        ),  # fmt: skip
+        (
+            [
+                "--autoscale",
+                "--max-prefill",
+                "1",
+                "--min-decode",
+                "3",
+                "--decode",
+                "3",
+                "--min-prefill-per-decode",
+                "0.5",
+            ],
+            "--min-prefill-per-decode: 0.5 cannot hold: --min-decode 3 needs more than "
+            "--max-prefill 1",
+        ),  # fmt: skip
     ],
 )
 def test_bad_flag_exits_2_naming_it(

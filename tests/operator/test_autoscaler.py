@@ -10,6 +10,8 @@ from splitserve_operator.autoscaler import (
     AT_MIN,
     GPU_BUDGET,
     NO_METRICS,
+    RATIO_BOUND,
+    RATIO_LIMITED,
     SCALE_DOWN,
     SCALE_UP,
     STABILIZING,
@@ -19,8 +21,10 @@ from splitserve_operator.autoscaler import (
     History,
     Objectives,
     PoolState,
+    RatioBounds,
     Signals,
     decide,
+    unreachable_ratio,
 )
 
 OBJ = Objectives(ttft_seconds=0.5, tpot_seconds=0.05, percentile=95)
@@ -59,6 +63,7 @@ def run(
     histories: dict[str, History] | None = None,
     now: float = 0.0,
     budget: int | None = None,
+    ratio: RatioBounds | None = None,
 ) -> dict[str, Decision]:
     return decide(
         {"prefill": prefill, "decode": decode},
@@ -71,6 +76,7 @@ def run(
         now,
         WINDOW,
         budget,
+        ratio=ratio,
     )
 
 
@@ -357,3 +363,98 @@ def test_no_scale_down_during_a_rollout() -> None:
     hot = Signals(reporting=4, latency=0.2, kv_usage=0.5, running=10)
     d = run(pool("prefill"), rolling, dsig=hot)["decode"]
     assert (d.verdict, d.replicas) == (SCALE_UP, 8)
+
+
+HOT_PREFILL = Signals(reporting=2, busy=1.9, latency=0.3)  # 95% busy on 2: wants 3
+
+
+def test_ratio_max_raises_decode_with_prefill() -> None:
+    # Prefill grows 2 -> 3 on its own signals; decode is steady at 2. At most one prefill
+    # replica per decode replica: decode follows to 3.
+    d = run(pool("prefill"), pool("decode"), HOT_PREFILL, ratio=RatioBounds(high=1))
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (SCALE_UP, 3)
+    assert (d["decode"].verdict, d["decode"].replicas) == (RATIO_BOUND, 3)
+    assert "3 to keep prefillPerDecode.max 1 with 3 prefill replicas" in d["decode"].reason
+    assert "within targets" in d["decode"].reason  # its own verdict stays readable
+    # Without the bound decode stays where its signals put it.
+    d = run(pool("prefill"), pool("decode"), HOT_PREFILL)
+    assert (d["decode"].verdict, d["decode"].replicas) == (STEADY, 2)
+
+
+def test_ratio_holds_a_scale_down_that_would_break_it() -> None:
+    # Decode, idle on 4, wants 1 after a whole window; prefill stays at 2. min 0.25 is
+    # irrelevant here; max 1 keeps decode at 2.
+    idle = Signals(reporting=4, latency=0.01, kv_usage=0.01, running=1)
+    both = RatioBounds(low=0.25, high=1)
+    d = run(pool("prefill"), pool("decode", 4), dsig=idle, histories=watched(), ratio=both)
+    assert (d["decode"].verdict, d["decode"].replicas) == (RATIO_BOUND, 2)
+    assert d["decode"].reason.startswith("1 replicas would carry today's load")
+    # And the other way round: prefill, idle on 4, is kept at half of decode's 4.
+    quiet = Signals(reporting=4, latency=0.05, busy=0.1)
+    busy = Signals(reporting=4, latency=0.045, kv_usage=0.3, running=40)  # needs all 4
+    d = run(
+        pool("prefill", 4), pool("decode", 4), quiet, busy, histories=watched(),
+        ratio=RatioBounds(low=0.5),
+    )  # fmt: skip
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (RATIO_BOUND, 2)
+    assert "2 to keep prefillPerDecode.min 0.5 with 4 decode replicas" in d["prefill"].reason
+    assert d["decode"].replicas == 4
+
+
+def test_ratio_trims_a_scale_up_the_other_pool_cannot_follow() -> None:
+    capped = pool("decode", 2, max_replicas=2)
+    d = run(pool("prefill"), capped, HOT_PREFILL, ratio=RatioBounds(high=1))
+    assert (d["decode"].replicas, d["prefill"].replicas) == (2, 2)
+    assert d["prefill"].verdict == RATIO_LIMITED
+    assert (
+        "limited to 2 by prefillPerDecode.max 1: decode is at 2, its maxReplicas 2"
+        in d["prefill"].reason
+    )
+    # The GPU budget's room decides as well: decode could reach 8 but 2 GPUs per replica in a
+    # budget of 9 (3 x 1 prefill + 2 x 2 decode = 7 used) leave no room for a third.
+    prefill, decode = pool("prefill", gpus_per_replica=1), pool("decode", gpus_per_replica=2)
+    d = run(prefill, decode, HOT_PREFILL, budget=8, ratio=RatioBounds(high=1))
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (RATIO_LIMITED, 2)
+    assert "decode is at 2, all the gpuBudget 8 allows" in d["prefill"].reason
+    d = run(prefill, decode, HOT_PREFILL, budget=9, ratio=RatioBounds(high=1))
+    assert (d["prefill"].replicas, d["decode"].replicas) == (3, 3)
+
+
+def test_ratio_never_scales_a_pool_below_its_current_size() -> None:
+    # Prefill 4 against decode capped at 2 with max 1: the bound cannot hold this evaluation.
+    # Prefill is not shrunk for it (its own signals decide that); the reason says so.
+    d = run(
+        pool("prefill", 4), pool("decode", 2, max_replicas=2), Signals(reporting=4, busy=2.4),
+        ratio=RatioBounds(high=1),
+    )  # fmt: skip
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (STEADY, 4)
+    assert (
+        "prefillPerDecode.max 1 is not met (4 prefill, 2 decode): decode is at 2, its "
+        "maxReplicas 2" in d["prefill"].reason
+    )
+
+
+def test_ratio_leaves_pools_at_zero_alone() -> None:
+    zero = {"min_replicas": 0}
+    idle = Signals(reporting=0)
+    d = run(
+        pool("prefill", 0, **zero), pool("decode", 0, **zero), idle, idle,
+        ratio=RatioBounds(low=0.5, high=2),
+    )  # fmt: skip
+    assert (d["prefill"].replicas, d["decode"].replicas) == (0, 0)
+    # Waking decode on requests wakes prefill with it (min 0.5 of 1 decode replica).
+    wake = Signals(reporting=0, request_rate=1.0)
+    d = run(
+        pool("prefill", 0, **zero), pool("decode", 0, **zero), idle, wake,
+        ratio=RatioBounds(low=0.5),
+    )  # fmt: skip
+    assert (d["prefill"].replicas, d["decode"].replicas) == (1, 1)
+    assert d["prefill"].verdict == RATIO_BOUND
+
+
+def test_unreachable_ratio_names_the_bound() -> None:
+    assert unreachable_ratio(RatioBounds(high=1), (4, 8), (1, 2)) == "max"
+    assert unreachable_ratio(RatioBounds(high=2), (4, 8), (1, 2)) is None
+    assert unreachable_ratio(RatioBounds(low=0.5), (1, 1), (4, 8)) == "min"
+    assert unreachable_ratio(RatioBounds(low=0.25), (1, 1), (4, 8)) is None
+    assert unreachable_ratio(RatioBounds(), (9, 9), (1, 1)) is None

@@ -103,6 +103,40 @@ def test_builtin_mode_requires_bounds_on_both_pools() -> None:
     assert parsed.decode.bounds is not None and parsed.decode.bounds.max_replicas == 8
 
 
+def ratio_spec(ratio: object, mode: str = "Builtin", prefill=(1, 4), decode=(1, 8)) -> dict:
+    spec = with_("autoscaling", {"mode": mode, "prefillPerDecode": ratio})
+    for name, (low, high) in (("prefill", prefill), ("decode", decode)):
+        spec[name] = {"replicas": low, "autoscaling": {"minReplicas": low, "maxReplicas": high}}
+    return spec
+
+
+def test_prefill_per_decode_parses_and_is_checked_like_the_crd() -> None:
+    parsed = parse_spec(ratio_spec({"min": 1, "max": 2.5}))
+    assert (parsed.prefill_per_decode_min, parsed.prefill_per_decode_max) == (1.0, 2.5)
+    assert parse_spec(ratio_spec({"max": 1})).prefill_per_decode_min is None
+    unset = parse_spec(with_("autoscaling.mode", "Off"))
+    assert (unset.prefill_per_decode_min, unset.prefill_per_decode_max) == (None, None)
+    bad = [
+        (ratio_spec({"max": 1}, mode="HPA"), "^spec.autoscaling.prefillPerDecode: applies only"),
+        (ratio_spec({"max": 0}), r"^spec.autoscaling.prefillPerDecode.max: 0 must be greater"),
+        (ratio_spec({"min": "1:2"}), r"^spec.autoscaling.prefillPerDecode.min: '1:2' is not a"),
+        (ratio_spec({"min": 2, "max": 1}), "^spec.autoscaling.prefillPerDecode: min 2 must not"),
+        (
+            ratio_spec({"max": 1}, prefill=(4, 8), decode=(1, 2)),
+            "^spec.autoscaling.prefillPerDecode.max: 1 cannot hold: spec.prefill.autoscaling."
+            "minReplicas 4 needs more than spec.decode.autoscaling.maxReplicas 2",
+        ),
+        (
+            ratio_spec({"min": 0.5}, prefill=(1, 1), decode=(4, 8)),
+            "^spec.autoscaling.prefillPerDecode.min: 0.5 cannot hold: spec.decode.autoscaling."
+            "minReplicas 4 needs more than spec.prefill.autoscaling.maxReplicas 1",
+        ),
+    ]
+    for spec, message in bad:
+        with pytest.raises(SpecError, match=message):
+            parse_spec(spec)
+
+
 def test_volume_needs_one_source_and_path_under_mount() -> None:
     with pytest.raises(SpecError, match="^spec.model.volume: "):
         parse_spec(with_("model.volume", {"hostPath": {"path": "/a"}, "nfs": {}}))

@@ -336,6 +336,18 @@ def test_scaling_limited_names_the_bound() -> None:
     free = {"state": "Active", "decode": {"lastDecision": {"verdict": "ScaleUp"}}}
     c = conds(status(ALL_READY, spec=spec_in("Builtin"), autoscaler=free))["ScalingLimited"]
     assert (c["status"], c["reason"]) == ("False", "WithinLimits")
+    # A scale-up trimmed by the P:D ratio is a limit; a pool raised by it is not.
+    ratio = {
+        "state": "Active",
+        "prefill": {"lastDecision": {"verdict": "RatioLimited", "reason": "...; limited to 2"}},
+        "decode": {"lastDecision": {"verdict": "RatioBound", "reason": "...; 3 to keep"}},
+    }
+    c = conds(status(ALL_READY, spec=spec_in("Builtin"), autoscaler=ratio))["ScalingLimited"]
+    assert (c["status"], c["reason"], c["message"]) == (
+        "True",
+        "RatioLimited",
+        "prefill: ...; limited to 2",
+    )
 
 
 def test_leaving_builtin_clears_the_autoscaler_status() -> None:

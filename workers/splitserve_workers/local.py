@@ -394,6 +394,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds every recommendation must agree before a pool shrinks (default 60)",
     )
+    for bound, word in (("min", "fewest"), ("max", "most")):
+        scaling.add_argument(
+            f"--{bound}-prefill-per-decode",
+            type=float,
+            help=f"{word} prefill workers per decode worker, e.g. 0.5 (default: unbounded)",
+        )
 
 
 AUTOSCALE_FLAGS = (
@@ -406,6 +412,8 @@ AUTOSCALE_FLAGS = (
     "slo_percentile",
     "scale_interval",
     "scale_down_stabilization",
+    "min_prefill_per_decode",
+    "max_prefill_per_decode",
 )
 
 
@@ -417,6 +425,7 @@ class AutoscaleSettings:
     percentile: float
     interval: float
     stabilization: float
+    prefill_per_decode: tuple[float | None, float | None] = (None, None)  # (min, max)
 
 
 def _check_autoscale(
@@ -457,7 +466,37 @@ def _check_autoscale(
     window = 60.0 if args.scale_down_stabilization is None else args.scale_down_stabilization
     if window < 0:
         raise _usage_error(f"--scale-down-stabilization: {window} must be >= 0")
-    return AutoscaleSettings(bounds, ttft, tpot, percentile, interval, window)
+    ratio = _check_ratio(args, bounds)
+    return AutoscaleSettings(bounds, ttft, tpot, percentile, interval, window, ratio)
+
+
+def _check_ratio(
+    args: argparse.Namespace, bounds: dict[str, tuple[int, int]]
+) -> tuple[float | None, float | None]:
+    from splitserve_operator.autoscaler import RatioBounds, unreachable_ratio
+
+    low, high = args.min_prefill_per_decode, args.max_prefill_per_decode
+    for flag, value in (("--min-prefill-per-decode", low), ("--max-prefill-per-decode", high)):
+        if value is not None and not value > 0:
+            raise _usage_error(f"{flag}: {value:g} must be greater than 0")
+    if low is not None and high is not None and low > high:
+        raise _usage_error(
+            f"--min-prefill-per-decode: {low:g} is above --max-prefill-per-decode {high:g}"
+        )
+    which = unreachable_ratio(RatioBounds(low, high), bounds["prefill"], bounds["decode"])
+    if which == "max":
+        raise _usage_error(
+            f"--max-prefill-per-decode: {high:g} cannot hold: --min-prefill "
+            f"{bounds['prefill'][0]} needs more than --max-decode {bounds['decode'][1]} "
+            "decode workers"
+        )
+    if which == "min":
+        raise _usage_error(
+            f"--min-prefill-per-decode: {low:g} cannot hold: --min-decode "
+            f"{bounds['decode'][0]} needs more than --max-prefill {bounds['prefill'][1]} "
+            "prefill workers"
+        )
+    return low, high
 
 
 def _usage_error(message: str) -> SystemExit:
@@ -629,7 +668,7 @@ async def _up(
 def _local_autoscaler(
     stack: LocalStack, worker_args: list[str], log_dir: Path, settings: AutoscaleSettings
 ) -> LocalAutoscaler:
-    from splitserve_operator.autoscaler import Objectives
+    from splitserve_operator.autoscaler import Objectives, RatioBounds
 
     from splitserve_workers.local_scaling import Bounds, LocalAutoscaler
 
@@ -644,6 +683,7 @@ def _local_autoscaler(
         Objectives(settings.ttft_seconds, settings.tpot_seconds, settings.percentile),
         settings.interval,
         settings.stabilization,
+        ratio=RatioBounds(*settings.prefill_per_decode),
         say=say,
     )
 

@@ -26,6 +26,7 @@ from splitserve_operator.autoscaler import (
     History,
     Objectives,
     PoolState,
+    RatioBounds,
     decide,
 )
 from splitserve_operator.prometheus import MetricsError
@@ -74,6 +75,7 @@ class LocalAutoscaler:
         objectives: Objectives,
         interval: float,
         stabilization: float,
+        ratio: RatioBounds | None = None,
         say: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -84,6 +86,7 @@ class LocalAutoscaler:
         self.objectives = objectives
         self.interval = interval
         self.stabilization = stabilization
+        self.ratio = ratio or RatioBounds()
         self.window = signal_window(interval)
         self.scraper = DirectScraper(keep=self.window)
         self.histories: dict[str, History] = {}
@@ -121,6 +124,11 @@ class LocalAutoscaler:
             f"{pools}; TTFT p{o.percentile:g} <= {o.ttft_seconds * 1000:g}ms, TPOT "
             f"p{o.percentile:g} <= {o.tpot_seconds * 1000:g}ms; every {self.interval:g}s, "
             f"scale-down after {self.stabilization:g}s"
+            + "".join(
+                f", prefill per decode {word} {value:g}"
+                for word, value in ((">=", self.ratio.low), ("<=", self.ratio.high))
+                if value is not None
+            )
         )
 
     def sizes(self) -> str:
@@ -184,6 +192,7 @@ class LocalAutoscaler:
             self.stabilization,
             settle=self.window,
             source="the autoscaler",
+            ratio=self.ratio,
         )
         for name, decision in decisions.items():
             if decision.changes:
