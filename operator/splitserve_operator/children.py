@@ -1,7 +1,8 @@
 """The desired child objects of one LLMService: the worker ConfigMap, a Deployment per pool,
 Services (router ClusterIP, headless pools for DNS discovery), PodDisruptionBudgets and, when
-the cluster serves monitoring.coreos.com, a ServiceMonitor and a PodMonitor. Pure: dicts in,
-dicts out; reconcile.py sends them to the API server."""
+the cluster serves monitoring.coreos.com, a ServiceMonitor and a PodMonitor; and the children a
+changed spec rules out. Pure: dicts in, dicts out; reconcile.py sends them to the API server,
+handlers.py deletes the ruled-out ones."""
 
 from __future__ import annotations
 
@@ -140,13 +141,17 @@ def disruption_budget(component: str, service: str, namespace: str, owner: dict)
     }
 
 
+SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
+POD_MONITOR = ("monitoring.coreos.com/v1", "PodMonitor")
+
+
 def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict[str, Any]]:
     interval = spec.monitoring_interval
     workers = common_labels(service, "workers")
     return [
         {
-            "apiVersion": "monitoring.coreos.com/v1",
-            "kind": "ServiceMonitor",
+            "apiVersion": SERVICE_MONITOR[0],
+            "kind": SERVICE_MONITOR[1],
             "metadata": _meta(
                 child_name(service, "router"), namespace, common_labels(service, "router"), owner
             ),
@@ -160,8 +165,8 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
             },
         },
         {
-            "apiVersion": "monitoring.coreos.com/v1",
-            "kind": "PodMonitor",
+            "apiVersion": POD_MONITOR[0],
+            "kind": POD_MONITOR[1],
             "metadata": _meta(child_name(service, "workers"), namespace, workers, owner),
             "spec": {
                 "selector": {
@@ -283,3 +288,24 @@ def desired_children(
     if spec.autoscaling_mode == "HPA":
         objects += autoscalers(service, namespace, spec, owner)
     return objects
+
+
+def unwanted_children(
+    service: str, spec: Spec, config: OperatorConfig
+) -> dict[str, list[tuple[str, str, str]]]:
+    """The children this LLMService may have made under an earlier spec and that its spec now
+    rules out, as (apiVersion, kind, name) by why they go: HPAs outside mode HPA (they would
+    keep resizing the pools), monitors once spec.monitoring.enabled is false (they would keep
+    being scraped). `--monitoring off` rules out none: the operator then leaves monitors alone,
+    neither making nor deleting them. The caller deletes only those the LLMService owns."""
+    unwanted: dict[str, list[tuple[str, str, str]]] = {}
+    if spec.autoscaling_mode != "HPA":
+        unwanted[f"autoscaling.mode is {spec.autoscaling_mode}"] = [
+            (*HPA, child_name(service, pool)) for pool in ("prefill", "decode")
+        ]
+    if not spec.monitoring_enabled and config.monitoring != "off":
+        unwanted["monitoring.enabled is false"] = [
+            (*SERVICE_MONITOR, child_name(service, "router")),
+            (*POD_MONITOR, child_name(service, "workers")),
+        ]
+    return unwanted

@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--monitoring",
         choices=["auto", "off"],
         default="auto",
-        help="auto: create ServiceMonitor/PodMonitor where monitoring.coreos.com is served",
+        help="auto: create ServiceMonitor/PodMonitor where monitoring.coreos.com is served "
+        "(and delete them when an LLMService disables monitoring); off: leave monitors alone",
     )
     parser.add_argument(
         "--prometheus-url",

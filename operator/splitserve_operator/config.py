@@ -16,7 +16,8 @@ class OperatorConfig:
     worker_image: str = "splitserve/worker:dev"
     resync_seconds: float = 30.0
     cluster_domain: str = "cluster.local"
-    # auto: create ServiceMonitor/PodMonitor when monitoring.coreos.com is served; off: never.
+    # auto: create ServiceMonitor/PodMonitor when monitoring.coreos.com is served (and delete
+    # them when an LLMService sets monitoring.enabled false); off: neither create nor delete.
     monitoring: str = "auto"
     # The built-in autoscaler's Prometheus when an LLMService names none.
     prometheus_url: str | None = None

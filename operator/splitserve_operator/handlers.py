@@ -20,7 +20,7 @@ from typing import Any, cast
 import kopf
 
 from . import GROUP, PLURAL, VERSION
-from .children import HPA, desired_children
+from .children import HPA, desired_children, unwanted_children
 from .config import OperatorConfig
 from .kube import Kube, KubeError, Ref
 from .names import MANAGED_BY, child_name, selector_labels
@@ -89,20 +89,20 @@ class Operator:
             self.write_status(namespace, name, error=str(e))
             kopf.warn(body, reason="ApplyFailed", message=str(e))
             raise kopf.TemporaryError(str(e), delay=10) from e
-        if why == "change" and spec.autoscaling_mode != "HPA":
-            # A mode change is a spec change (or, after a restart, a resume): no need to look
-            # on every resync.
-            try:
-                deleted = self.prune_hpas(namespace, name, meta["uid"])
-            except KubeError as e:
-                self.write_status(namespace, name, error=str(e))
-                kopf.warn(body, reason="ApplyFailed", message=str(e))
-                raise kopf.TemporaryError(str(e), delay=10) from e
-            if deleted:
-                message = (
-                    f"deleted {', '.join(deleted)}: autoscaling.mode is {spec.autoscaling_mode}"
-                )
-                kopf.info(body, reason="Deleted", message=message)
+        if why == "change":
+            # What rules a child out is a spec change (or, after a restart, a resume): no need
+            # to look on every resync.
+            for because, unwanted in unwanted_children(name, spec, self.config).items():
+                refs = [Ref(av, kind, namespace, child) for av, kind, child in unwanted]
+                try:
+                    deleted = self.prune(refs, meta["uid"])
+                except KubeError as e:
+                    self.write_status(namespace, name, error=str(e))
+                    kopf.warn(body, reason="ApplyFailed", message=str(e))
+                    raise kopf.TemporaryError(str(e), delay=10) from e
+                if deleted:
+                    message = f"deleted {', '.join(deleted)}: {because}"
+                    kopf.info(body, reason="Deleted", message=message)
         if outcome.created and why == "child-deleted":
             kopf.info(
                 body, reason="DriftRepaired", message="recreated " + ", ".join(outcome.created)
@@ -175,20 +175,23 @@ class Operator:
             for pool in ("prefill", "decode")
         }
 
-    def prune_hpas(self, namespace: str, service: str, uid: str) -> list[str]:
-        """Outside mode HPA, delete the HorizontalPodAutoscalers this LLMService made when it
-        was in it: left behind, they would keep resizing the pools (and fight the built-in
-        autoscaler, or undo spec.<pool>.replicas)."""
+    def prune(self, refs: list[Ref], uid: str) -> list[str]:
+        """Delete those of `refs` that the LLMService with this uid owns (never a namesake
+        someone else made); returns what went. A kind the cluster does not serve (the
+        Prometheus operator's CRDs removed, say) reads as absent."""
         deleted = []
-        for pool in ("prefill", "decode"):
-            ref = Ref(*HPA, namespace, child_name(service, pool))
+        for ref in refs:
             live = self.kube.get(ref)
-            owners = (live or {}).get("metadata", {}).get("ownerReferences") or []
-            if not any(o.get("uid") == uid for o in owners):
+            meta = (live or {}).get("metadata") or {}
+            if not any(o.get("uid") == uid for o in meta.get("ownerReferences") or []):
                 continue
+            # The precondition: if it was replaced since the read, the namesake stays.
+            options = {"preconditions": {"uid": meta.get("uid")}}
             try:
-                self.kube.request("DELETE", ref.path())
+                self.kube.request("DELETE", ref.path(), body=options)
             except KubeError as e:
+                if e.status == 409:
+                    continue
                 if e.status != 404:
                     raise
             deleted.append(str(ref))

@@ -141,10 +141,16 @@ def test_rbac_has_no_wildcards_and_covers_what_the_operator_writes(
     assert allowed("", "pods") == {"list", "patch"}
     assert "patch" in allowed("splitserve.io", "llmservices/status")
     assert "create" in allowed("", "events")
-    # The one thing the operator deletes: HPAs it made, when an LLMService leaves mode HPA
-    # (the garbage collector removes every other child with its owner).
-    deletable = {res for r in rules if "delete" in r["verbs"] for res in r["resources"]}
-    assert deletable == {"horizontalpodautoscalers"}
+    # What the operator deletes: HPAs it made, when an LLMService leaves mode HPA, and its
+    # monitors, when an LLMService sets monitoring.enabled false (the garbage collector
+    # removes every other child with its owner).
+    deletable = {(g, res) for r in rules if "delete" in r["verbs"]
+                 for g in r["apiGroups"] for res in r["resources"]}  # fmt: skip
+    assert deletable == {
+        ("autoscaling", "horizontalpodautoscalers"),
+        ("monitoring.coreos.com", "servicemonitors"),
+        ("monitoring.coreos.com", "podmonitors"),
+    }
     assert {"list", "watch", "delete"} <= allowed("autoscaling", "horizontalpodautoscalers")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from splitserve_operator.children import desired_children
+from splitserve_operator.children import desired_children, unwanted_children
 from splitserve_operator.config import OperatorConfig
 from splitserve_operator.names import CONFIG_HASH_ANNOTATION
 from splitserve_operator.spec import parse_spec
@@ -95,6 +95,41 @@ def test_monitors_only_when_the_cluster_serves_them_and_not_disabled() -> None:
     off["monitoring"] = {"enabled": False}
     assert ("ServiceMonitor", "chat-router") not in build(off, served=True)
     assert ("ServiceMonitor", "chat-router") not in build(served=True, monitoring="off")
+
+
+def test_disabled_monitoring_rules_out_the_monitors_unless_the_operator_leaves_them_alone() -> None:
+    off = copy.deepcopy(SPEC)
+    off["monitoring"] = {"enabled": False}
+    unwanted = unwanted_children("chat", parse_spec(off), OperatorConfig())
+    assert unwanted["monitoring.enabled is false"] == [
+        ("monitoring.coreos.com/v1", "ServiceMonitor", "chat-router"),
+        ("monitoring.coreos.com/v1", "PodMonitor", "chat-workers"),
+    ]
+    # Exactly the monitors desired_children makes when monitoring is on.
+    made = [k for k in build(served=True) if k[0] in ("ServiceMonitor", "PodMonitor")]
+    assert sorted(made) == sorted((k, n) for _, k, n in unwanted["monitoring.enabled is false"])
+    # Enabled: nothing to delete. --monitoring off: the operator neither makes nor deletes them.
+    assert "monitoring.enabled is false" not in unwanted_children(
+        "chat", parse_spec(SPEC), OperatorConfig()
+    )
+    assert "monitoring.enabled is false" not in unwanted_children(
+        "chat", parse_spec(off), OperatorConfig(monitoring="off")
+    )
+
+
+def test_hpas_are_ruled_out_outside_mode_hpa() -> None:
+    unwanted = unwanted_children("chat", parse_spec(SPEC), OperatorConfig())
+    assert unwanted == {
+        "autoscaling.mode is Off": [
+            ("autoscaling/v2", "HorizontalPodAutoscaler", "chat-prefill"),
+            ("autoscaling/v2", "HorizontalPodAutoscaler", "chat-decode"),
+        ]
+    }
+    hpa = copy.deepcopy(SPEC)
+    hpa["autoscaling"] = {"mode": "HPA"}
+    for pool in ("prefill", "decode"):
+        hpa[pool]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+    assert unwanted_children("chat", parse_spec(hpa), OperatorConfig()) == {}
 
 
 def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:

@@ -312,6 +312,55 @@ def test_hpa_mode_owns_hpas_and_leaves_replicas_to_them(
     )
 
 
+def test_disabling_monitoring_deletes_only_the_monitors_it_owns(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, TINY)
+    wait_ready(cp, namespace, "tiny")
+
+    def monitors() -> list[tuple[str, str]]:
+        found = get_json(cp, "-n", namespace, "servicemonitors,podmonitors")["items"]
+        return sorted((m["kind"], m["metadata"]["name"]) for m in found)
+
+    wait_until(lambda: len(monitors()) == 2, "the ServiceMonitor and PodMonitor")
+    # Someone else's ServiceMonitor for the same router, with the same labels: not the
+    # operator's to delete.
+    router_monitor = get_json(cp, "-n", namespace, "servicemonitor", "tiny-router")
+    theirs = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": "tiny-router-extra", "labels": router_monitor["metadata"]["labels"]},
+        "spec": router_monitor["spec"],
+    }
+    apply(cp, namespace, theirs)
+
+    apply(cp, namespace, tiny(monitoring={"enabled": False}))
+    wait_until(
+        lambda: monitors() == [("ServiceMonitor", "tiny-router-extra")],
+        "the operator's monitors deleted, the other one kept",
+    )
+    deleted = "involvedObject.kind=LLMService,involvedObject.name=tiny,reason=Deleted"
+    events = get_json(cp, "-n", namespace, "events", "--field-selector", deleted)["items"]
+    (message,) = [e["message"] for e in events]
+    assert f"ServiceMonitor {namespace}/tiny-router" in message
+    assert f"PodMonitor {namespace}/tiny-workers" in message
+    assert "monitoring.enabled is false" in message
+
+    # A namesake it did not make survives the next change too: ownership is checked, not names.
+    apply(cp, namespace, {**theirs, "metadata": {**theirs["metadata"], "name": "tiny-router"}})
+    obj = tiny(monitoring={"enabled": False, "interval": "30s"})
+    apply(cp, namespace, obj)
+    wait_until(
+        lambda: (o := llms(cp, namespace, "tiny")) and o["status"]["observedGeneration"] == 3,
+        "the change reconciled",
+    )
+    assert monitors() == [
+        ("ServiceMonitor", "tiny-router"),
+        ("ServiceMonitor", "tiny-router-extra"),
+    ]
+
+
 def test_restart_mid_reconcile_converges_without_duplicates(
     control_plane: Any, operator: OperatorProcess, namespace: str
 ) -> None:
@@ -345,6 +394,19 @@ def test_restart_mid_reconcile_converges_without_duplicates(
     assert len(services) == 15
 
 
+def ratio_patch(
+    ratio: dict[str, Any],
+    mode: str = "Builtin",
+    prefill: tuple[int, int] = (1, 4),
+    decode: tuple[int, int] = (1, 8),
+) -> dict[str, Any]:
+    """A spec patch with autoscaling.prefillPerDecode and both pools' replica bounds."""
+    patch: dict[str, Any] = {"autoscaling": {"mode": mode, "prefillPerDecode": ratio}}
+    for name, (low, high) in (("prefill", prefill), ("decode", decode)):
+        patch[name] = {"replicas": low, "autoscaling": {"minReplicas": low, "maxReplicas": high}}
+    return patch
+
+
 INVALID: list[tuple[str, Any, str]] = [
     ("negative replicas", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     (
@@ -373,6 +435,31 @@ INVALID: list[tuple[str, Any, str]] = [
             "decode": {"replicas": 1, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
         },
         "spec.decode.autoscaling.minReplicas must be at least 1 when spec.autoscaling.mode is HPA",
+    ),
+    (
+        "prefillPerDecode min above max",
+        ratio_patch({"min": 2, "max": 0.5}),
+        "prefillPerDecode.min must be <= prefillPerDecode.max",
+    ),
+    (
+        "prefillPerDecode zero",
+        ratio_patch({"max": 0}),
+        "spec.autoscaling.prefillPerDecode.max",
+    ),
+    (
+        "prefillPerDecode outside Builtin",
+        ratio_patch({"max": 1}, mode="HPA"),
+        "spec.autoscaling.prefillPerDecode applies only when spec.autoscaling.mode is Builtin",
+    ),
+    (
+        "prefillPerDecode max that cannot hold",
+        ratio_patch({"max": 1}, prefill=(4, 8), decode=(1, 2)),
+        "spec.autoscaling.prefillPerDecode.max cannot hold",
+    ),
+    (
+        "prefillPerDecode min that cannot hold",
+        ratio_patch({"min": 0.5}, prefill=(1, 1), decode=(4, 8)),
+        "spec.autoscaling.prefillPerDecode.min cannot hold",
     ),
     (
         "two volume sources",
@@ -482,6 +569,23 @@ def test_model_path_at_or_under_the_mount_is_accepted(
 ) -> None:
     obj = yaml.safe_load(TINY)
     obj["spec"]["model"].update(path=path, mountPath=mount_path)
+    proc = control_plane.kubectl(
+        "create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj),
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "ratio", [{"min": 1, "max": 2}, {"min": 0.25, "max": 1.5}, {"max": 1}, {"min": 0.5}]
+)
+def test_prefill_per_decode_bounds_that_can_hold_are_accepted(
+    control_plane: Any, cluster_release: Any, namespace: str, ratio: dict[str, Any]
+) -> None:
+    # Integers and fractions alike (the CEL rules compare them as doubles).
+    obj = yaml.safe_load(TINY)
+    for key, value in ratio_patch(ratio, prefill=(1, 4), decode=(2, 4)).items():
+        obj["spec"].setdefault(key, {}).update(value)
     proc = control_plane.kubectl(
         "create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj),
         check=False,

@@ -1,6 +1,6 @@
 """reconcile.apply_children against a recording fake of the API layer: who sends
-Deployment replicas in each autoscaling mode (the real server-side apply semantics are
-exercised in test_operator_cluster.py)."""
+Deployment replicas in each autoscaling mode; and what the operator's pruning deletes (the
+real server-side apply and deletion semantics are exercised in test_operator_cluster.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 from splitserve_operator.children import desired_children
 from splitserve_operator.config import FIELD_MANAGER, REPLICAS_FIELD_MANAGER, OperatorConfig
-from splitserve_operator.kube import Ref
+from splitserve_operator.handlers import Operator
+from splitserve_operator.kube import KubeError, Ref
 from splitserve_operator.reconcile import apply_children
 from splitserve_operator.spec import parse_spec
 
@@ -121,3 +122,54 @@ def test_status_writes_by_controllers_are_not_reported_as_changes() -> None:
     kube.objects[DECODE]["spec"]["template"]["spec"]["containers"][0]["image"] = "hand:edit"
     outcome = apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
     assert outcome.updated == [str(DECODE)]
+
+
+class DeletingKube:
+    """GET and DELETE (with a uid precondition) on stored objects; `on_get` runs after a GET,
+    to change the object between the operator's read and its delete."""
+
+    def __init__(self, objects: dict[Ref, dict[str, Any]]) -> None:
+        self.objects = objects
+        self.on_get: dict[Ref, Any] = {}
+
+    def get(self, ref: Ref) -> dict[str, Any] | None:
+        live = copy.deepcopy(self.objects.get(ref))
+        if ref in self.on_get:
+            self.on_get.pop(ref)()
+        return live
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> None:
+        assert method == "DELETE"
+        ref = next((r for r in self.objects if r.path() == path), None)
+        if ref is None:
+            raise KubeError(404, method, path, "not found")
+        if body["preconditions"]["uid"] != self.objects[ref]["metadata"]["uid"]:
+            raise KubeError(409, method, path, "Precondition failed: UID")
+        del self.objects[ref]
+
+
+def monitor(kind: str, name: str, uid: str, owner: str | None) -> tuple[Ref, dict[str, Any]]:
+    owners = [{"kind": "LLMService", "uid": owner}] if owner else []
+    meta = {"name": name, "uid": uid, "ownerReferences": owners}
+    return Ref("monitoring.coreos.com/v1", kind, "ns", name), {"metadata": meta}
+
+
+def test_prune_deletes_only_what_the_llmservice_owns() -> None:
+    ours, theirs, gone, replaced, unserved = (
+        monitor("ServiceMonitor", "chat-router", "m1", owner="uid"),
+        monitor("ServiceMonitor", "other", "m2", owner="someone-else"),
+        monitor("PodMonitor", "chat-workers", "m3", owner="uid"),
+        monitor("ServiceMonitor", "chat-again", "m4", owner="uid"),
+        monitor("PodMonitor", "never-made", "m5", owner="uid"),
+    )
+    kube = DeletingKube(dict([ours, theirs, gone, replaced]))
+    # Deleted by someone else between the read and the delete: gone all the same.
+    kube.on_get[gone[0]] = lambda: kube.objects.pop(gone[0])
+    # Replaced by a namesake someone else made between the read and the delete: it stays.
+    namesake = monitor("ServiceMonitor", "chat-again", "m6", owner=None)[1]
+    kube.on_get[replaced[0]] = lambda: kube.objects.update({replaced[0]: namesake})
+    operator = Operator(kube, OperatorConfig())  # type: ignore[arg-type]
+    # unserved: a kind the cluster does not serve reads as absent (GET answers 404).
+    refs = [ours[0], theirs[0], gone[0], replaced[0], unserved[0]]
+    assert operator.prune(refs, "uid") == [str(ours[0]), str(gone[0])]
+    assert kube.objects == {theirs[0]: theirs[1], replaced[0]: namesake}

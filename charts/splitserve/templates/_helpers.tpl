@@ -68,9 +68,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
+# delete: when an LLMService sets monitoring.enabled false (only the ones it owns).
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, podmonitors]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, delete]
 # autoscaling.mode HPA: the pools' HorizontalPodAutoscalers (delete: when the mode changes).
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
