@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
@@ -39,7 +39,14 @@ from splitserve_workers.router.discovery import (
     StaticDiscovery,
     split_endpoints,
 )
-from splitserve_workers.router.flow import Flow, FlowError, FlowRequest, FlowSettings, TokenChunk
+from splitserve_workers.router.flow import (
+    Flow,
+    FlowError,
+    FlowRequest,
+    FlowSettings,
+    TokenChunk,
+    finish_aborts,
+)
 from splitserve_workers.router.picking import WorkerPool
 
 log = logging.getLogger("splitserve.router")
@@ -119,6 +126,7 @@ class Router:
         self.created = api.now()
         self.in_flight = 0
         self.draining = False
+        self.runs: set[_Run] = set()  # requests generating now (what the drain deadline cuts)
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
         # Model vocabularies are often padded past the tokenizer's: the model's size decides.
         self.vocab_size = options.vocab_size or getattr(tokenizer, "vocab_size", None)
@@ -149,6 +157,7 @@ class Router:
             await pool.start()
 
     async def _close_pools(self, _app: web.Application) -> None:
+        await finish_aborts()  # over the channels about to close: cut requests free their blocks
         for pool in self.pools.values():
             await pool.close()
 
@@ -221,6 +230,18 @@ class Router:
 
     async def workers(self, _request: web.Request) -> web.Response:
         return web.json_response({role: p.snapshot() for role, p in self.pools.items()})
+
+    def cut_in_flight(self) -> None:
+        """The drain deadline: every request still generating is cancelled as if its client had
+        hung up (which aborts it on the workers) and answered 503 `draining` instead."""
+        if self.runs:
+            log.warning("drain timeout: %d requests still in flight are cut", len(self.runs))
+        why = (
+            "the router is shutting down and its drain timeout "
+            f"({self.options.drain_timeout:g}s) has passed"
+        )
+        for run in self.runs:
+            run.cut(why)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -346,9 +367,11 @@ class Router:
                 colocated=self.pools.get("colocated"),
             )
             run = _Run(self, req, flow, rid, prompt_ids, prompt_text, arrival)
+            self.runs.add(run)
             try:
                 return await (run.stream(request) if req.stream else run.complete())
             finally:
+                self.runs.discard(run)
                 status = run.status
                 run.record()
         except FlowError as e:
@@ -393,6 +416,30 @@ class _Run:
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.status = "abort"  # until proven otherwise: a cancelled run is an abort
+        self.task = asyncio.current_task()
+        self.cut_reason: str | None = None
+
+    def cut(self, why: str) -> None:
+        """Ends the request now: its handler is cancelled (the client-disconnect path, which
+        aborts the request on the workers), and the cancellation becomes a 503 `draining` answer
+        in `_cut_is_an_error`."""
+        self.cut_reason = why
+        if self.task is not None:
+            self.task.cancel()
+
+    @contextlib.contextmanager
+    def _cut_is_an_error(self) -> Iterator[None]:
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self.cut_reason is None or self.task is None:
+                raise
+            self.task.uncancel()  # answered, not cancelled: the handler goes on to write it
+            raise FlowError(
+                503,
+                f"{self.cut_reason}; the request was cut after {self.num_tokens} tokens",
+                code="draining",
+            ) from None
 
     async def _chunks(self) -> AsyncIterator[tuple[str, str | None]]:
         """(text delta, finish_reason or None) per worker event; the last has a reason."""
@@ -426,8 +473,9 @@ class _Run:
 
     async def complete(self) -> web.Response:
         parts: list[str] = [self.prompt_text] if self.req.echo else []
-        async for text, _reason in self._chunks():
-            parts.append(text)
+        with self._cut_is_an_error():
+            async for text, _reason in self._chunks():
+                parts.append(text)
         self.status = "ok"
         text = "".join(parts)
         build = api.chat_response if self.req.kind == "chat" else api.completion_response
@@ -449,7 +497,8 @@ class _Run:
         try:
             # Wait for the first token before answering: an error before it (no capacity,
             # every prefill failed) is still a plain HTTP error with the right status.
-            first = await anext(chunks, None)
+            with self._cut_is_an_error():
+                first = await anext(chunks, None)
             response = web.StreamResponse(
                 headers={
                     "Content-Type": "text/event-stream",
@@ -461,22 +510,24 @@ class _Run:
             pending = [first] if first is not None else []
             is_first = True
             try:
-                while True:
-                    if pending:
-                        text, reason = pending.pop()
-                    else:
-                        item = await anext(chunks, None)
-                        if item is None:
+                with self._cut_is_an_error():
+                    while True:
+                        if pending:
+                            text, reason = pending.pop()
+                        else:
+                            item = await anext(chunks, None)
+                            if item is None:
+                                break
+                            text, reason = item
+                        if is_first and self.req.echo:
+                            text = self.prompt_text + text
+                        await response.write(api.sse(self._chunk(text, reason, is_first)))
+                        is_first = False
+                        if reason:
                             break
-                        text, reason = item
-                    if is_first and self.req.echo:
-                        text = self.prompt_text + text
-                    await response.write(api.sse(self._chunk(text, reason, is_first)))
-                    is_first = False
-                    if reason:
-                        break
             except FlowError as e:
-                # Tokens already went out: the status line is sent, so the error is an event.
+                # Tokens already went out: the status line is sent, so the error is an event
+                # (a dead decode worker, or the router's drain deadline).
                 self.status = "error"
                 err = api.APIError(e.status, e.message, code=e.code)
                 await response.write(api.sse(err.body()))
@@ -753,7 +804,14 @@ class AppRunner(web.AppRunner):
 
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT (or `stop`), then drains in-flight requests."""
-    runner = AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    # The drain deadline is kept below, so cleanup gives what is left (answers still being
+    # written) only the linger, not aiohttp's default minute past the deadline.
+    runner = AppRunner(
+        router.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=DRAIN_LINGER_S,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -777,6 +835,8 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None
     deadline = time.monotonic() + router.options.drain_timeout
     while router.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
+    # What is still generating is cut, and its client told why (an SSE error event, or a 503).
+    router.cut_in_flight()
     # Stop accepting first (new connections are refused: a clean, retryable error), then give
     # requests on connections accepted just before a moment to be read and answered (503
     # draining, Connection: close). Closing right away dropped them unanswered: cleanup closes

@@ -122,6 +122,12 @@ def _spawn(coro: Any) -> None:
     task.add_done_callback(_background.discard)
 
 
+async def finish_aborts() -> None:
+    """Waits for the aborts sent so far (each bounded by its own timeout)."""
+    if _background:
+        await asyncio.wait(list(_background))
+
+
 async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
     try:
         await worker.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=timeout)
