@@ -29,6 +29,10 @@ DECODE_TARGET_KV_USAGE = 0.8
 # TTFT over its objective scales prefill only when queueing for prefill is this much of it.
 PREFILL_QUEUE_SHARE = 0.2
 MAX_SCALE_UP_FACTOR = 2.0
+# Signals are rates over this many evaluation intervals (and at least MIN_WINDOW_SECONDS), so
+# one quiet or busy scrape does not decide alone.
+WINDOW_INTERVALS = 4
+MIN_WINDOW_SECONDS = 30.0
 
 # Verdicts, as written to status (autoscaler.<pool>.lastDecision.verdict).
 SCALE_UP = "ScaleUp"
@@ -124,6 +128,41 @@ class Decision:
     @property
     def changes(self) -> bool:
         return self.replicas != self.current
+
+
+def window_seconds(interval: float, scrape_interval: float) -> float:
+    """Long enough to hold several evaluations and several scrapes (a rate over a window with
+    one sample is no rate)."""
+    return max(MIN_WINDOW_SECONDS, WINDOW_INTERVALS * interval, WINDOW_INTERVALS * scrape_interval)
+
+
+# An HPA takes a scale-down window of at most an hour and a policy period of at most 30 min.
+HPA_MAX_STABILIZATION_SECONDS = 3600
+HPA_MAX_PERIOD_SECONDS = 1800
+
+
+def hpa_behavior(interval: float, stabilization: float) -> dict[str, Any]:
+    """These rules as an autoscaling/v2 HPA `behavior` (modes HPA and KEDA): up at once by at
+    most MAX_SCALE_UP_FACTOR (or +1) per evaluation interval; down after the stabilization
+    window."""
+    period = max(1, min(HPA_MAX_PERIOD_SECONDS, round(interval)))
+    return {
+        "scaleUp": {
+            "stabilizationWindowSeconds": 0,
+            "selectPolicy": "Max",
+            "policies": [
+                {
+                    "type": "Percent",
+                    "value": round((MAX_SCALE_UP_FACTOR - 1) * 100),
+                    "periodSeconds": period,
+                },
+                {"type": "Pods", "value": 1, "periodSeconds": period},
+            ],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": min(HPA_MAX_STABILIZATION_SECONDS, round(stabilization))
+        },
+    }
 
 
 def _ms(seconds: float | None) -> str:

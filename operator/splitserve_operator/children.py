@@ -10,8 +10,9 @@ import math
 from typing import Any
 
 from . import GROUP, KIND, VERSION
-from .autoscaler import DECODE_TARGET_KV_USAGE, PREFILL_TARGET_UTILIZATION
+from .autoscaler import DECODE_TARGET_KV_USAGE, PREFILL_TARGET_UTILIZATION, hpa_behavior
 from .config import OperatorConfig
+from .keda import SCALED_OBJECT, keda_problem, prometheus_url, scaled_objects
 from .names import (
     CONFIG_KEY,
     DECODE_PORT,
@@ -199,7 +200,6 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
 # export (manifests/prometheus-adapter/values.yaml has the rules), at the targets the built-in
 # autoscaler sizes for. The HPA controller caps a scale-down window at one hour.
 HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
-HPA_MAX_STABILIZATION_SECONDS = 3600
 HPA_BATCH_FILL = 0.8
 
 
@@ -231,8 +231,6 @@ def autoscalers(service: str, namespace: str, spec: Spec, owner: dict) -> list[d
     """Mode HPA: one autoscaling/v2 HorizontalPodAutoscaler per scaled pool, targeting its
     Deployment within spec.<pool>.autoscaling's bounds; it scales up by at most 2x per
     autoscaling.interval and down after autoscaling.scaleDownStabilization, like Builtin."""
-    period = max(1, min(1800, round(spec.autoscaling_interval)))
-    window = min(HPA_MAX_STABILIZATION_SECONDS, round(spec.scale_down_stabilization))
     out = []
     for pool in ("prefill", "decode"):
         bounds = spec.pool(pool).bounds
@@ -248,17 +246,9 @@ def autoscalers(service: str, namespace: str, spec: Spec, owner: dict) -> list[d
                     "minReplicas": bounds.min_replicas,
                     "maxReplicas": bounds.max_replicas,
                     "metrics": list(bounds.metrics) or default_hpa_metrics(pool, spec),
-                    "behavior": {
-                        "scaleUp": {
-                            "stabilizationWindowSeconds": 0,
-                            "selectPolicy": "Max",
-                            "policies": [
-                                {"type": "Percent", "value": 100, "periodSeconds": period},
-                                {"type": "Pods", "value": 1, "periodSeconds": period},
-                            ],
-                        },
-                        "scaleDown": {"stabilizationWindowSeconds": window},
-                    },
+                    "behavior": hpa_behavior(
+                        spec.autoscaling_interval, spec.scale_down_stabilization
+                    ),
                 },
             }
         )
@@ -272,6 +262,7 @@ def desired_children(
     spec: Spec,
     config: OperatorConfig,
     monitoring_available: bool,
+    keda_available: bool = False,
 ) -> list[dict[str, Any]]:
     """Every child object of one LLMService, in apply order (ConfigMap before the pods)."""
     owner = owner_reference(service, uid)
@@ -287,6 +278,9 @@ def desired_children(
         objects += monitors(service, namespace, spec, owner)
     if spec.autoscaling_mode == "HPA":
         objects += autoscalers(service, namespace, spec, owner)
+    url = prometheus_url(spec, config)
+    if spec.autoscaling_mode == "KEDA" and url and not keda_problem(spec, config, keda_available):
+        objects += scaled_objects(service, namespace, spec, owner, url)
     return objects
 
 
@@ -294,15 +288,19 @@ def unwanted_children(
     service: str, spec: Spec, config: OperatorConfig
 ) -> dict[str, list[tuple[str, str, str]]]:
     """The children this LLMService may have made under an earlier spec and that its spec now
-    rules out, as (apiVersion, kind, name) by why they go: HPAs outside mode HPA (they would
-    keep resizing the pools), monitors once spec.monitoring.enabled is false (they would keep
-    being scraped). `--monitoring off` rules out none: the operator then leaves monitors alone,
-    neither making nor deleting them. The caller deletes only those the LLMService owns."""
+    rules out, as (apiVersion, kind, name) by why they go: HPAs outside mode HPA and KEDA
+    ScaledObjects outside mode KEDA (they would keep resizing the pools), monitors once
+    spec.monitoring.enabled is false (they would keep being scraped). `--monitoring off` rules
+    out none: the operator then leaves monitors alone, neither making nor deleting them. The caller
+    deletes only those the LLMService owns."""
     unwanted: dict[str, list[tuple[str, str, str]]] = {}
+    mode = f"autoscaling.mode is {spec.autoscaling_mode}"
     if spec.autoscaling_mode != "HPA":
-        unwanted[f"autoscaling.mode is {spec.autoscaling_mode}"] = [
-            (*HPA, child_name(service, pool)) for pool in ("prefill", "decode")
-        ]
+        unwanted[mode] = [(*HPA, child_name(service, pool)) for pool in ("prefill", "decode")]
+    if spec.autoscaling_mode != "KEDA":
+        unwanted.setdefault(mode, []).extend(
+            (*SCALED_OBJECT, child_name(service, pool)) for pool in ("prefill", "decode")
+        )
     if not spec.monitoring_enabled and config.monitoring != "off":
         unwanted["monitoring.enabled is false"] = [
             (*SERVICE_MONITOR, child_name(service, "router")),

@@ -22,6 +22,7 @@ import kopf
 from . import GROUP, PLURAL, VERSION
 from .children import HPA, desired_children, unwanted_children
 from .config import OperatorConfig
+from .keda import SCALED_OBJECT, SCALED_OBJECTS_PLURAL, keda_hpa_name, keda_problem
 from .kube import Kube, KubeError, Ref
 from .names import MANAGED_BY, child_name, selector_labels
 from .reconcile import apply_children
@@ -44,20 +45,28 @@ class Operator:
     def __init__(self, kube: Kube, config: OperatorConfig) -> None:
         self.kube = kube
         self.config = config
-        self._monitoring: tuple[float, bool] | None = None
+        self._served: dict[str, tuple[float, bool]] = {}
         self._lock = threading.Lock()
         self._reconciling: dict[tuple[str, str], threading.RLock] = {}
+
+    def _serves(self, group_version: str, plurals: tuple[str, ...]) -> bool:
+        """Whether the cluster serves these kinds (a discovery answer cached for a minute)."""
+        with self._lock:
+            cached = self._served.get(group_version)
+            if cached and time.monotonic() - cached[0] < MONITORING_TTL_SECONDS:
+                return cached[1]
+        found = self.kube.serves(group_version, plurals)
+        with self._lock:
+            self._served[group_version] = (time.monotonic(), found)
+        return found
 
     def monitoring_available(self) -> bool:
         if self.config.monitoring == "off":
             return False
-        with self._lock:
-            if self._monitoring and time.monotonic() - self._monitoring[0] < MONITORING_TTL_SECONDS:
-                return self._monitoring[1]
-        found = self.kube.serves(MONITORING_GROUP_VERSION, MONITORING_PLURALS)
-        with self._lock:
-            self._monitoring = (time.monotonic(), found)
-        return found
+        return self._serves(MONITORING_GROUP_VERSION, MONITORING_PLURALS)
+
+    def keda_available(self) -> bool:
+        return self._serves(SCALED_OBJECT[0], (SCALED_OBJECTS_PLURAL,))
 
     def _serialized(self, namespace: str, name: str) -> threading.RLock:
         """One lock per LLMService: kopf serializes its own handlers per object, but a repair
@@ -80,8 +89,9 @@ class Operator:
             self.write_status(namespace, name, invalid=str(e))
             kopf.warn(body, reason="InvalidSpec", message=str(e))
             raise kopf.PermanentError(str(e)) from e
+        keda = spec.autoscaling_mode == "KEDA" and self.keda_available()
         objects = desired_children(
-            name, namespace, meta["uid"], spec, self.config, self.monitoring_available()
+            name, namespace, meta["uid"], spec, self.config, self.monitoring_available(), keda
         )
         try:
             outcome = apply_children(self.kube, objects, spec.autoscaling_mode)
@@ -175,6 +185,27 @@ class Operator:
             for pool in ("prefill", "decode")
         }
 
+    def scalers(self, namespace: str, service: str, spec: Spec) -> dict[str, Any]:
+        """compute_status's arguments for whoever sizes the pools outside mode Builtin: the
+        operator's HPAs (HPA); the ScaledObjects, the HPAs KEDA made for them and why there
+        are none (KEDA)."""
+        if spec.autoscaling_mode == "HPA":
+            return {"hpas": self.hpas(namespace, service)}
+        if spec.autoscaling_mode != "KEDA":
+            return {}
+        problem = keda_problem(spec, self.config, self.keda_available())
+        if problem:
+            return {"keda_problem": problem}
+        scaled = {
+            pool: self.kube.get(Ref(*SCALED_OBJECT, namespace, child_name(service, pool)))
+            for pool in ("prefill", "decode")
+        }
+        hpas = {
+            pool: self.kube.get(Ref(*HPA, namespace, keda_hpa_name(obj))) if obj else None
+            for pool, obj in scaled.items()
+        }
+        return {"scaled_objects": scaled, "hpas": hpas}
+
     def prune(self, refs: list[Ref], uid: str) -> list[str]:
         """Delete those of `refs` that the LLMService with this uid owns (never a namesake
         someone else made); returns what went. A kind the cluster does not serve (the
@@ -246,7 +277,7 @@ class Operator:
                     error=error,
                     trouble=self.pool_trouble(namespace, service, deployments),
                     autoscaler=status.get("autoscaler"),
-                    hpas=self.hpas(namespace, service) if spec.autoscaling_mode == "HPA" else None,
+                    **self.scalers(namespace, service, spec),
                 )
             if all(status.get(k) == v for k, v in fresh.items()):
                 return

@@ -26,6 +26,7 @@ from .autoscaler import (
     ACTIVE,
     LIMITED,
     METRICS_UNAVAILABLE,
+    MIN_WINDOW_SECONDS,
     Decision,
     History,
     Objectives,
@@ -33,6 +34,7 @@ from .autoscaler import (
     RatioBounds,
     Signals,
     decide,
+    window_seconds,
 )
 from .config import REPLICAS_FIELD_MANAGER, OperatorConfig
 from .kube import Kube, KubeError, Ref
@@ -46,22 +48,12 @@ from .status import now_rfc3339
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 COMPONENT = "app.kubernetes.io/component"
 SCALED_POOLS = ("prefill", "decode")
-# Signals are rates over this many evaluation intervals (and at least MIN_WINDOW_SECONDS), so
-# one quiet or busy scrape does not decide alone.
-WINDOW_INTERVALS = 4
-MIN_WINDOW_SECONDS = 30.0
 # A decision whose verdict and replicas did not change is rewritten at most this often (its
 # inputs move every evaluation; status need not).
 REFRESH_SECONDS = 60.0
 
 # (body, type, reason, message) -> None: posts an Event on the LLMService.
 Emit = Callable[[dict[str, Any], str, str, str], None]
-
-
-def window_seconds(interval: float, scrape_interval: float) -> float:
-    """Long enough to hold several evaluations and several scrapes (a rate over a window with
-    one sample is no rate)."""
-    return max(MIN_WINDOW_SECONDS, WINDOW_INTERVALS * interval, WINDOW_INTERVALS * scrape_interval)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 
 from .autoscaler import RatioBounds, unreachable_ratio
 
-AUTOSCALING_MODES = ("Builtin", "HPA", "Off")
+AUTOSCALING_MODES = ("Builtin", "HPA", "KEDA", "Off")
 POOLS = ("router", "prefill", "decode")
 
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|ms|s|m|h)")
@@ -83,6 +83,7 @@ class Bounds:
     min_replicas: int
     max_replicas: int
     metrics: tuple[dict[str, Any], ...] = ()  # mode HPA: MetricSpec items overriding defaults
+    triggers: tuple[dict[str, Any], ...] = ()  # mode KEDA: ScaleTriggers overriding defaults
 
 
 @dataclass(frozen=True)
@@ -158,10 +159,18 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
         metrics = auto.get("metrics") or []
         if not isinstance(metrics, list) or not all(isinstance(m, dict) for m in metrics):
             raise SpecError(f"{path}.autoscaling.metrics: must be a list of MetricSpec objects")
+        triggers = auto.get("triggers") or []
+        if not isinstance(triggers, list) or not all(
+            isinstance(t, dict) and t.get("type") for t in triggers
+        ):
+            raise SpecError(
+                f"{path}.autoscaling.triggers: must be a list of KEDA triggers, each with a type"
+            )
         bounds = Bounds(
             min_replicas=_int(auto, "minReplicas", 1, f"{path}.autoscaling"),
             max_replicas=_int(auto, "maxReplicas", 8, f"{path}.autoscaling", minimum=1),
             metrics=tuple(metrics),
+            triggers=tuple(triggers),
         )
         if bounds.min_replicas > bounds.max_replicas:
             raise SpecError(
@@ -240,7 +249,7 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
     autoscaling = spec.get("autoscaling") or {}
     mode = autoscaling.get("mode", "Off")
     if mode not in AUTOSCALING_MODES:
-        raise SpecError(f"spec.autoscaling.mode: {mode!r} is not one of Builtin, HPA, Off")
+        raise SpecError(f"spec.autoscaling.mode: {mode!r} is not one of Builtin, HPA, KEDA, Off")
     prefill = _pool("prefill", spec.get("prefill"), required=True)
     decode = _pool("decode", spec.get("decode"), required=True)
     if mode != "Off":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .autoscaler import ACTIVE, LIMITED
+from .keda import keda_condition
 from .spec import POOLS, Spec
 
 
@@ -170,15 +171,19 @@ def autoscaling_condition(
     mode: str,
     autoscaler: Mapping[str, Any] | None = None,
     hpas: Mapping[str, Mapping[str, Any] | None] | None = None,
+    scaled_objects: Mapping[str, Mapping[str, Any] | None] | None = None,
+    keda_problem: tuple[str, str] | None = None,
 ) -> tuple[bool | None, str, str]:
     """Who sizes the prefill and decode pools, so `kubectl describe` answers "why did it not
-    scale": the operator (Off), the HorizontalPodAutoscalers it creates (HPA), whose own
-    conditions say whether they can act, or the built-in autoscaler (Builtin), whose state
-    (status.autoscaler, scaling.py) does."""
+    scale": the operator (Off), the HorizontalPodAutoscalers it creates (HPA) or KEDA's
+    ScaledObjects (KEDA), whose own conditions say whether they can act, or the built-in
+    autoscaler (Builtin), whose state (status.autoscaler, scaling.py) does."""
     if mode == "Off":
         return False, "Off", "autoscaling.mode is Off: the operator keeps spec.<pool>.replicas"
     if mode == "HPA":
         return hpa_condition(service, hpas or {})
+    if mode == "KEDA":
+        return keda_condition(service, scaled_objects or {}, keda_problem)
     state = (autoscaler or {}).get("state")
     message = str((autoscaler or {}).get("message") or "")
     if not state:
@@ -284,11 +289,15 @@ def compute_status(
     trouble: Mapping[str, str] | None = None,
     autoscaler: Mapping[str, Any] | None = None,
     hpas: Mapping[str, Mapping[str, Any] | None] | None = None,
+    scaled_objects: Mapping[str, Mapping[str, Any] | None] | None = None,
+    keda_problem: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole `status` (except kopf's bookkeeping) for one LLMService. trouble: per pool,
     why its pods are not running (pod_trouble), quoted in the Ready message. autoscaler: the
     built-in autoscaler's status.autoscaler (mode Builtin), for its conditions. hpas: the pools'
-    HorizontalPodAutoscalers (mode HPA), for the Autoscaling condition."""
+    HorizontalPodAutoscalers (mode HPA, or the ones KEDA made in mode KEDA), for the
+    Autoscaling and ScalingLimited conditions. scaled_objects, keda_problem: mode KEDA's
+    ScaledObjects, or why the operator could not make them."""
     trouble = trouble or {}
 
     def why(pool: str) -> str:
@@ -346,7 +355,9 @@ def compute_status(
         condition("Degraded", *degraded, generation=observed_generation),
         condition(
             "Autoscaling",
-            *autoscaling_condition(service, spec.autoscaling_mode, autoscaler, hpas),
+            *autoscaling_condition(
+                service, spec.autoscaling_mode, autoscaler, hpas, scaled_objects, keda_problem
+            ),
             generation=observed_generation,
         ),
     ]

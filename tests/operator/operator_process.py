@@ -44,6 +44,24 @@ spec:
 )
 
 
+def install_keda_crd(cp: Any) -> None:
+    """KEDA's own ScaledObject CRD (hack/testplane/keda-crd.sh takes it from KEDA's Go module,
+    cached), so ScaledObjects are validated by KEDA's schema. No KEDA operator runs here: it
+    is not part of the test plane, so nothing reconciles them."""
+    path = (
+        subprocess.run(
+            ["bash", str(REPO_ROOT / "hack" / "testplane" / "keda-crd.sh")],
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    cp.kubectl("apply", "--server-side", "-f", path)
+    cp.kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=60s")
+
+
 def wait_until(fn: Callable[[], T | None], what: str, timeout: float = 120.0) -> T:
     """Poll fn until it returns something truthy; fail naming `what` otherwise."""
     deadline = time.monotonic() + timeout

@@ -15,6 +15,7 @@ import yaml
 from fleet import Fleet
 from operator_process import wait_until
 from splitserve_operator.children import default_hpa_metrics
+from splitserve_operator.keda import queries as keda_queries
 from splitserve_operator.prometheus import MetricsError, PrometheusReader
 from splitserve_operator.spec import parse_spec
 
@@ -152,3 +153,56 @@ def test_prometheus_adapter_rules_serve_what_the_hpas_ask_for(
     }
     busy = found["splitserve_busy_ratio"]
     assert 0.5 < busy["chat-prefill-a"] < 1.0 and 0.4 < busy["chat-decode-a"] < 0.9
+
+
+def test_keda_trigger_queries_measure_one_service(
+    prometheus: Callable[..., Any], fleets: tuple[Fleet, Fleet]
+) -> None:
+    """Mode KEDA's default trigger queries (keda.py), run as KEDA's Prometheus scaler runs them:
+    each answers at most one sample (KEDA refuses more), for the asking service only, and the
+    latency ones equal what the Builtin reader measures."""
+    spec = parse_spec(
+        {
+            "model": {"name": "m", "path": "/models/m"},
+            "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 2}},
+            "decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 2}},
+            "autoscaling": {"mode": "KEDA", "interval": "1s"},
+            "monitoring": {"interval": "1s"},
+        }
+    )
+    targets = fleets[0].targets() | fleets[1].targets()
+    prom = prometheus(list(targets), scrape_interval="1s", labels=targets)
+    reader = PrometheusReader(prom.url)
+
+    def run(namespace: str) -> dict[str, float | None]:
+        out = {}
+        for name, query in keda_queries(namespace, "chat", spec).items():
+            samples = reader.query(query)
+            assert len(samples) <= 1, (name, samples)
+            out[name] = float(samples[0]["value"][1]) if samples else None
+        return out
+
+    def settled() -> dict[str, float | None] | None:
+        # The queries' 30 s rate window underestimates until it holds 30 s of scrapes.
+        got = run("team-a")
+        return got if (got["prefill-utilization"] or 0) > 1.4 else None
+
+    got = wait_until(settled, "a full 30s window of scrapes", 180)
+    builtin = reader.read("team-a", "chat", spec.percentile, 30)
+    assert got["prefill-ttft"] == pytest.approx(builtin["prefill"].latency)
+    assert got["decode-tpot"] == pytest.approx(builtin["decode"].latency)
+    assert got["prefill-ttft"] and got["prefill-ttft"] > 1.0  # TTFT 1.2 s observed
+    # Two prefill pods at 0.8 (above 1.4 once settled): not the decode pod's 0.7 too, nor
+    # team-b's pod.
+    assert got["prefill-utilization"] < 1.8
+    assert got["decode-kv-usage"] == pytest.approx(0.42)
+    assert got["decode-running"] == 12.0
+    assert got["wake"] == 5.0
+    # team-b's chat is late (TTFT 9 s) but not for lack of prefill (queueing 10 ms of it): the
+    # TTFT trigger stays empty, which KEDA reads as 0, while its own numbers are its own.
+    decoy = run("team-b")
+    assert decoy["prefill-ttft"] is None
+    assert reader.read("team-b", "chat", spec.percentile, 30)["prefill"].latency
+    assert decoy["decode-running"] is None and decoy["prefill-utilization"] == pytest.approx(
+        0.1, rel=0.3
+    )

@@ -141,13 +141,14 @@ def test_rbac_has_no_wildcards_and_covers_what_the_operator_writes(
     assert allowed("", "pods") == {"list", "patch"}
     assert "patch" in allowed("splitserve.io", "llmservices/status")
     assert "create" in allowed("", "events")
-    # What the operator deletes: HPAs it made, when an LLMService leaves mode HPA, and its
-    # monitors, when an LLMService sets monitoring.enabled false (the garbage collector
-    # removes every other child with its owner).
+    # What the operator deletes: HPAs and ScaledObjects it made, when an LLMService leaves
+    # mode HPA or KEDA, and its monitors, when an LLMService sets monitoring.enabled false
+    # (the garbage collector removes every other child with its owner).
     deletable = {(g, res) for r in rules if "delete" in r["verbs"]
                  for g in r["apiGroups"] for res in r["resources"]}  # fmt: skip
     assert deletable == {
         ("autoscaling", "horizontalpodautoscalers"),
+        ("keda.sh", "scaledobjects"),
         ("monitoring.coreos.com", "servicemonitors"),
         ("monitoring.coreos.com", "podmonitors"),
     }

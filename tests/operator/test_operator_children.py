@@ -117,19 +117,25 @@ def test_disabled_monitoring_rules_out_the_monitors_unless_the_operator_leaves_t
     )
 
 
-def test_hpas_are_ruled_out_outside_mode_hpa() -> None:
+def test_hpas_and_scaled_objects_are_ruled_out_outside_their_mode() -> None:
+    hpas = [
+        ("autoscaling/v2", "HorizontalPodAutoscaler", "chat-prefill"),
+        ("autoscaling/v2", "HorizontalPodAutoscaler", "chat-decode"),
+    ]
+    scaled = [
+        ("keda.sh/v1alpha1", "ScaledObject", "chat-prefill"),
+        ("keda.sh/v1alpha1", "ScaledObject", "chat-decode"),
+    ]
     unwanted = unwanted_children("chat", parse_spec(SPEC), OperatorConfig())
-    assert unwanted == {
-        "autoscaling.mode is Off": [
-            ("autoscaling/v2", "HorizontalPodAutoscaler", "chat-prefill"),
-            ("autoscaling/v2", "HorizontalPodAutoscaler", "chat-decode"),
-        ]
-    }
-    hpa = copy.deepcopy(SPEC)
-    hpa["autoscaling"] = {"mode": "HPA"}
-    for pool in ("prefill", "decode"):
-        hpa[pool]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
-    assert unwanted_children("chat", parse_spec(hpa), OperatorConfig()) == {}
+    assert unwanted == {"autoscaling.mode is Off": hpas + scaled}
+    for mode, gone in (("HPA", scaled), ("KEDA", hpas)):
+        spec = copy.deepcopy(SPEC)
+        spec["autoscaling"] = {"mode": mode}
+        for pool in ("prefill", "decode"):
+            spec[pool]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+        assert unwanted_children("chat", parse_spec(spec), OperatorConfig()) == {
+            f"autoscaling.mode is {mode}": gone
+        }
 
 
 def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:

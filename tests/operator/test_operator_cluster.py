@@ -16,6 +16,7 @@ from operator_process import (
     OperatorProcess,
     conditions,
     get_json,
+    install_keda_crd,
     is_ready,
     wait_until,
 )
@@ -312,6 +313,73 @@ def test_hpa_mode_owns_hpas_and_leaves_replicas_to_them(
     )
 
 
+def test_keda_mode_makes_scaled_objects_keda_accepts_and_prunes_them(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = control_plane
+    install_keda_crd(cp)
+    obj = tiny(
+        autoscaling={
+            "mode": "KEDA",
+            "metrics": {"prometheus": {"url": "http://prometheus.monitoring:9090"}},
+        }
+    )
+    obj["spec"]["prefill"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+    # Zero is allowed in mode KEDA (KEDA scales a pool to zero and back).
+    obj["spec"]["decode"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 6}
+    apply(cp, namespace, obj)
+    wait_ready(cp, namespace, "tiny")
+
+    # KEDA's own schema (with its CEL rules) accepted what the operator applied, under the
+    # chart's RBAC.
+    def scaled() -> dict[str, Any]:
+        items = get_json(cp, "-n", namespace, "scaledobjects.keda.sh")["items"]
+        return {o["metadata"]["name"]: o for o in items}
+
+    found = wait_until(lambda: len(s := scaled()) == 2 and s, "two ScaledObjects")
+    decode = found["tiny-decode"]
+    assert decode["metadata"]["ownerReferences"][0]["name"] == "tiny"
+    assert decode["spec"]["scaleTargetRef"]["name"] == "tiny-decode"
+    assert (decode["spec"]["minReplicaCount"], decode["spec"]["maxReplicaCount"]) == (0, 6)
+    names = {t["name"] for t in decode["spec"]["triggers"]}
+    assert names == {"decode-tpot", "decode-kv-usage", "decode-running", "wake"}
+    assert not get_json(cp, "-n", namespace, "hpa")["items"]  # the operator makes no HPA
+    # Nothing reconciles them in this cluster (no KEDA operator): the condition says so,
+    # and the operator leaves the replicas alone.
+    pending = wait_until(
+        lambda: (
+            (c := conditions(llms(cp, namespace, "tiny") or {}).get("Autoscaling"))
+            and c["reason"] == "KEDAPending"
+            and c
+        ),
+        "Autoscaling KEDAPending",
+    )
+    assert "tiny-prefill, tiny-decode" in pending["message"]
+    assert "KEDA's operator" in pending["message"]
+    cp.kubectl("scale", "-n", namespace, "deployment/tiny-decode", "--replicas=3")
+    obj["spec"]["image"] = "splitserve/worker:v4"
+    apply(cp, namespace, obj)
+    wait_until(
+        lambda: (
+            (d := deployment(cp, namespace, "tiny-decode"))
+            and d["spec"]["template"]["spec"]["containers"][0]["image"] == "splitserve/worker:v4"
+        ),
+        "image rolled out",
+    )
+    assert deployment(cp, namespace, "tiny-decode")["spec"]["replicas"] == 3  # type: ignore
+
+    # Leaving mode KEDA deletes them (left behind, KEDA would keep resizing the pools).
+    obj["spec"]["autoscaling"] = {"mode": "Off"}
+    apply(cp, namespace, obj)
+    wait_until(lambda: not scaled(), "ScaledObjects deleted after mode Off")
+    events = get_json(cp, "-n", namespace, "events", "--field-selector", "reason=Deleted")
+    messages = [e["message"] for e in events["items"]]
+    assert any(
+        f"ScaledObject {namespace}/tiny-decode" in m and "autoscaling.mode is Off" in m
+        for m in messages
+    ), messages
+
+
 def test_disabling_monitoring_deletes_only_the_monitors_it_owns(
     control_plane: Any, operator: OperatorProcess, namespace: str
 ) -> None:
@@ -427,6 +495,15 @@ INVALID: list[tuple[str, Any, str]] = [
     ("missing pool", {"prefill": None}, "spec.prefill"),
     ("bad autoscaling mode", {"autoscaling": {"mode": "Sometimes"}}, "spec.autoscaling.mode"),
     ("HPA without bounds", {"autoscaling": {"mode": "HPA"}}, "spec"),
+    (
+        "KEDA trigger without a type",
+        {
+            "autoscaling": {"mode": "KEDA"},
+            "prefill": {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+            "decode": {"autoscaling": {"triggers": [{"metadata": {"value": "1"}}]}},
+        },
+        "spec.decode.autoscaling.triggers[0].type",
+    ),
     (
         "HPA with minReplicas 0",
         {
