@@ -64,6 +64,15 @@ class Objectives:
 
 
 @dataclass(frozen=True)
+class Targets:
+    """The load each replica is sized for (spec.autoscaling.targets; the defaults above)."""
+
+    prefill_utilization: float = PREFILL_TARGET_UTILIZATION
+    kv_cache_usage: float = DECODE_TARGET_KV_USAGE
+    prefill_queue_share: float = PREFILL_QUEUE_SHARE
+
+
+@dataclass(frozen=True)
 class RatioBounds:
     """Prefill replicas per decode replica (spec.autoscaling.prefillPerDecode): at least `low`,
     at most `high` (None: unbounded)."""
@@ -210,25 +219,28 @@ def _from_zero(state: PoolState, sig: Signals) -> tuple[int, str, str] | None:
     return 0, STEADY, "no requests and no replicas"
 
 
-def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[int, str, str]:
+def recommend_prefill(
+    state: PoolState, sig: Signals, obj: Objectives, targets: Targets = Targets()
+) -> tuple[int, str, str]:
     """(replicas, verdict, reason) of a pool with replicas, before bounds, stabilization and
     the GPU budget."""
+    target = targets.prefill_utilization
+    share = targets.prefill_queue_share
     n = state.replicas
     per = max(sig.reporting, 1)
     utilization = sig.busy / per
     pct = f"p{obj.percentile:g}"
     up: list[tuple[float, str]] = []
-    if utilization > PREFILL_TARGET_UTILIZATION * (1 + TOLERANCE):
+    if utilization > target * (1 + TOLERANCE):
         up.append(
             (
-                utilization / PREFILL_TARGET_UTILIZATION,
-                f"utilization {utilization:.0%} is above the target "
-                f"{PREFILL_TARGET_UTILIZATION:.0%}",
+                utilization / target,
+                f"utilization {utilization:.0%} is above the target {target:.0%}",
             )
         )
     late = sig.latency is not None and sig.latency > obj.ttft_seconds * (1 + TOLERANCE)
     queue_share = (sig.prefill_queue or 0.0) / sig.latency if sig.latency else 0.0
-    if late and queue_share >= PREFILL_QUEUE_SHARE:
+    if late and queue_share >= share:
         assert sig.latency is not None
         up.append(
             (
@@ -242,7 +254,7 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
         return _scale_up(n, ratio), SCALE_UP, why
     over = sig.latency is not None and sig.latency > obj.ttft_seconds
     elsewhere = ""
-    if over and queue_share < PREFILL_QUEUE_SHARE:
+    if over and queue_share < share:
         # Late, but not for lack of prefill: say where the time goes.
         elsewhere = (
             f"; TTFT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.ttft_seconds)}, "
@@ -253,7 +265,7 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
     def fits(m: int) -> bool:
         if m == 0:
             return _idle(sig)
-        return sig.busy / m <= PREFILL_TARGET_UTILIZATION
+        return sig.busy / m <= target
 
     need = _fewest(n, fits)
     if need < n and over:
@@ -272,7 +284,7 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
             need,
             SCALE_DOWN,
             f"utilization {utilization:.0%} on {n}; {need} would run at {after:.0%} "
-            f"(target {PREFILL_TARGET_UTILIZATION:.0%})",
+            f"(target {target:.0%})",
         )
     if over:
         return n, STEADY, f"utilization {utilization:.0%}{elsewhere}"
@@ -283,8 +295,11 @@ def recommend_prefill(state: PoolState, sig: Signals, obj: Objectives) -> tuple[
     )
 
 
-def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[int, str, str]:
+def recommend_decode(
+    state: PoolState, sig: Signals, obj: Objectives, targets: Targets = Targets()
+) -> tuple[int, str, str]:
     n = state.replicas
+    kv_target = targets.kv_cache_usage
     per = max(sig.reporting, 1)
     pct = f"p{obj.percentile:g}"
     kv = sig.kv_usage or 0.0
@@ -296,11 +311,8 @@ def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[i
                 f"TPOT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.tpot_seconds)}",
             )
         )
-    if kv > DECODE_TARGET_KV_USAGE * (1 + TOLERANCE):
-        up.append(
-            (kv / DECODE_TARGET_KV_USAGE, f"KV cache usage {kv:.0%} is above the target "
-             f"{DECODE_TARGET_KV_USAGE:.0%}")
-        )  # fmt: skip
+    if kv > kv_target * (1 + TOLERANCE):
+        up.append((kv / kv_target, f"KV cache usage {kv:.0%} is above the target {kv_target:.0%}"))
     slots = per * state.max_batch_size
     if sig.waiting > 0 and slots and sig.running >= slots:
         up.append(
@@ -334,7 +346,7 @@ def recommend_decode(state: PoolState, sig: Signals, obj: Objectives) -> tuple[i
         predicted = tpot_on(m)
         if predicted is not None and predicted > obj.tpot_seconds:
             return False
-        if kv * scale > DECODE_TARGET_KV_USAGE:
+        if kv * scale > kv_target:
             return False
         return not (state.max_batch_size and load / m > state.max_batch_size)
 
@@ -437,12 +449,14 @@ def decide(
     settle: float = 0.0,
     source: str = "Prometheus",
     ratio: RatioBounds | None = None,
+    targets: Targets = Targets(),
 ) -> dict[str, Decision]:
     """One evaluation for both pools: replicas, verdict and reason each. window: the
     scale-down stabilization; settle: how long after a scale-up the signals still describe
     the pool before it (their rate window), during which it does not scale up again. source:
     who reads the pods' metrics (Prometheus, or the operator scraping them), for the reasons.
-    ratio: bounds on prefill replicas per decode replica, applied after the GPU budget."""
+    ratio: bounds on prefill replicas per decode replica, applied after the GPU budget.
+    targets: the per-replica load to size for."""
     hint = "is it scraping them?" if source == "Prometheus" else "can it reach their metrics port?"
     decisions: dict[str, Decision] = {}
     urgency: dict[str, float] = {}
@@ -488,7 +502,7 @@ def decide(
                 mean_running=None if sig.mean_running is None else sig.mean_running * f,
             )  # fmt: skip
         recommend = recommend_prefill if pool == "prefill" else recommend_decode
-        want, verdict, reason = _from_zero(state, sig) or recommend(state, sig, objectives)
+        want, verdict, reason = _from_zero(state, sig) or recommend(state, sig, objectives, targets)
         urgency[pool] = want / max(state.replicas, 1)
         want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
         history = histories.setdefault(pool, History())

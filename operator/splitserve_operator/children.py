@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from . import GROUP, KIND, VERSION
-from .autoscaler import DECODE_TARGET_KV_USAGE, PREFILL_TARGET_UTILIZATION, hpa_behavior
+from .autoscaler import hpa_behavior
 from .config import OperatorConfig
 from .keda import SCALED_OBJECT, keda_problem, prometheus_url, scaled_objects
 from .names import (
@@ -217,11 +217,15 @@ def default_hpa_metrics(pool: str, spec: Spec) -> list[dict[str, Any]]:
     if pool == "prefill":
         # Busy seconds per second per pod: engine utilization.
         return [
-            _pods_metric("splitserve_busy_ratio", f"{round(PREFILL_TARGET_UTILIZATION * 1000)}m")
+            _pods_metric(
+                "splitserve_busy_ratio", f"{round(spec.targets.prefill_utilization * 1000)}m"
+            )
         ]
     batch = int(spec.decode.settings["maxBatchSize"])
     return [
-        _pods_metric("splitserve_kv_cache_usage_ratio", f"{round(DECODE_TARGET_KV_USAGE * 1000)}m"),
+        _pods_metric(
+            "splitserve_kv_cache_usage_ratio", f"{round(spec.targets.kv_cache_usage * 1000)}m"
+        ),
         # Sequences per pod: a batch this full still leaves slots for arrivals.
         _pods_metric("splitserve_requests_running", str(max(1, math.ceil(batch * HPA_BATCH_FILL)))),
     ]

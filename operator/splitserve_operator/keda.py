@@ -5,7 +5,7 @@ what KEDA writes back. Pure: dicts in, dicts out; reconcile.py applies them.
 Unlike an HPA fed by prometheus-adapter, a KEDA trigger is any PromQL query, so the pools are
 sized on the SLO itself: decode on the router's TPOT percentile against spec.slo.tpot, prefill
 on the TTFT percentile against spec.slo.ttft when queueing for prefill is at least
-PREFILL_QUEUE_SHARE of it (the Builtin rule, written in PromQL), plus per-replica load
+targets.prefillQueueShare of it (the Builtin rule, written in PromQL), plus per-replica load
 (prefill utilization; decode KV usage and running sequences). KEDA hands them to an HPA it owns
 (`keda-hpa-<name>`), which takes the largest replica count any trigger asks for. minReplicas 0
 is allowed: KEDA scales a pool to zero after `cooldownPeriod` and back when the router has
@@ -17,13 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .autoscaler import (
-    DECODE_TARGET_KV_USAGE,
-    PREFILL_QUEUE_SHARE,
-    PREFILL_TARGET_UTILIZATION,
-    hpa_behavior,
-    window_seconds,
-)
+from .autoscaler import hpa_behavior, window_seconds
 from .config import OperatorConfig
 from .names import child_name, common_labels
 from .spec import Spec, parse_duration
@@ -64,7 +58,9 @@ def queries(namespace: str, service: str, spec: Spec) -> dict[str, str]:
         ),
         # TTFT, but only while queueing for prefill is a real share of it: a TTFT made late by
         # decode admission is no reason for more prefill (the query is then empty: 0).
-        "prefill-ttft": f"{ttft} and on () ({queue} >= {PREFILL_QUEUE_SHARE} * {ttft})",
+        "prefill-ttft": (
+            f"{ttft} and on () ({queue} >= {spec.targets.prefill_queue_share:g} * {ttft})"
+        ),
         "decode-tpot": quantile("time_per_output_token_seconds"),
         "decode-kv-usage": f'sum(splitserve_kv_cache_usage_ratio{{{sel},pool="decode"}})',
         "decode-running": f'sum(splitserve_requests_running{{{sel},pool="decode"}})',
@@ -94,7 +90,7 @@ def default_triggers(pool: str, namespace: str, service: str, spec: Spec, url: s
         triggers = [
             _trigger(
                 "prefill-utilization", url, qs["prefill-utilization"],
-                PREFILL_TARGET_UTILIZATION, "AverageValue",
+                spec.targets.prefill_utilization, "AverageValue",
             ),
             _trigger("prefill-ttft", url, qs["prefill-ttft"], spec.ttft_seconds, "Value"),
         ]  # fmt: skip
@@ -103,7 +99,7 @@ def default_triggers(pool: str, namespace: str, service: str, spec: Spec, url: s
         triggers = [
             _trigger("decode-tpot", url, qs["decode-tpot"], spec.tpot_seconds, "Value"),
             _trigger(
-                "decode-kv-usage", url, qs["decode-kv-usage"], DECODE_TARGET_KV_USAGE,
+                "decode-kv-usage", url, qs["decode-kv-usage"], spec.targets.kv_cache_usage,
                 "AverageValue",
             ),
             _trigger(

@@ -207,6 +207,7 @@ class Scaler:
             settle=window,
             source=source.name,
             ratio=RatioBounds(spec.prefill_per_decode_min, spec.prefill_per_decode_max),
+            targets=spec.targets,
         )
         scaled: dict[str, str] = {}
         for pool, decision in decisions.items():

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .autoscaler import RatioBounds, unreachable_ratio
+from .autoscaler import RatioBounds, Targets, unreachable_ratio
 
 AUTOSCALING_MODES = ("Builtin", "HPA", "KEDA", "Off")
 POOLS = ("router", "prefill", "decode")
@@ -139,6 +139,7 @@ class Spec:
     # spec.autoscaling.prefillPerDecode: prefill replicas per decode replica (None: unbounded)
     prefill_per_decode_min: float | None = None
     prefill_per_decode_max: float | None = None
+    targets: Targets = Targets()  # spec.autoscaling.targets
 
     def pool(self, name: str) -> Pool:
         return {"router": self.router, "prefill": self.prefill, "decode": self.decode}[name]
@@ -270,6 +271,7 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
         gpu_budget = _int(autoscaling, "gpuBudget", 0, "spec.autoscaling")
     prometheus = (autoscaling.get("metrics") or {}).get("prometheus") or {}
     ratio_min, ratio_max = _prefill_per_decode(autoscaling, mode, prefill, decode)
+    targets = _targets(autoscaling.get("targets") or {})
     return Spec(
         model_name=str(model["name"]),
         model_path=str(model["path"]),
@@ -301,7 +303,28 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
         prometheus_url=prometheus.get("url") or None,
         prefill_per_decode_min=ratio_min,
         prefill_per_decode_max=ratio_max,
+        targets=targets,
     )
+
+
+def _targets(data: dict[str, Any]) -> Targets:
+    """spec.autoscaling.targets, each a fraction: utilization and KV usage in (0, 1], the
+    queue share in [0, 1]."""
+    default = Targets()
+    values = {}
+    for key, attr, low_open in (
+        ("prefillUtilization", "prefill_utilization", True),
+        ("kvCacheUsage", "kv_cache_usage", True),
+        ("prefillQueueShare", "prefill_queue_share", False),
+    ):
+        value = data.get(key, getattr(default, attr))
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SpecError(f"spec.autoscaling.targets.{key}: {value!r} is not a number")
+        if not (0 < value <= 1 if low_open else 0 <= value <= 1):
+            interval = "(0, 1]" if low_open else "[0, 1]"
+            raise SpecError(f"spec.autoscaling.targets.{key}: {value} must be in {interval}")
+        values[attr] = float(value)
+    return Targets(**values)
 
 
 def _prefill_per_decode(

@@ -4,6 +4,7 @@ signals in, replicas and a reason out, per pool."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from splitserve_operator.autoscaler import (
     AT_MAX,
@@ -23,6 +24,7 @@ from splitserve_operator.autoscaler import (
     PoolState,
     RatioBounds,
     Signals,
+    Targets,
     decide,
     unreachable_ratio,
 )
@@ -366,6 +368,31 @@ def test_no_scale_down_during_a_rollout() -> None:
 
 
 HOT_PREFILL = Signals(reporting=2, busy=1.9, latency=0.3)  # 95% busy on 2: wants 3
+
+
+def test_targets_set_the_load_each_replica_is_sized_for() -> None:
+    def decide_with(targets: Targets, psig: Signals, dsig: Signals | None = None) -> Any:
+        return decide(
+            {"prefill": pool("prefill"), "decode": pool("decode")},
+            {"prefill": psig, "decode": dsig or steady_decode(2)},
+            OBJ, watched(), 0.0, WINDOW, targets=targets,
+        )  # fmt: skip
+
+    # 95% busy: above the default 70%, within a 90% target (and its 10% tolerance).
+    d = decide_with(Targets(), HOT_PREFILL)["prefill"]
+    assert (d.verdict, d.replicas) == (SCALE_UP, 3)
+    d = decide_with(Targets(prefill_utilization=0.9), HOT_PREFILL)["prefill"]
+    assert (d.verdict, d.replicas) == (STEADY, 2)
+    # KV usage 60% per pod: fine at the default 80%, over a 50% target.
+    kv = Signals(reporting=2, latency=0.03, kv_usage=0.6, running=20)
+    d = decide_with(Targets(kv_cache_usage=0.5), steady_prefill(2), kv)["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_UP, 3)
+    assert "KV cache usage 60% is above the target 50%" in d.reason
+    # TTFT late with 30% of it queueing: prefill grows at the default 20% share, not at 50%.
+    late = Signals(reporting=2, latency=1.0, prefill_queue=0.3, busy=0.6)
+    assert decide_with(Targets(), late)["prefill"].verdict == SCALE_UP
+    d = decide_with(Targets(prefill_queue_share=0.5), late)["prefill"]
+    assert d.verdict == STEADY and "queueing for prefill is only 30% of it" in d.reason
 
 
 def test_ratio_max_raises_decode_with_prefill() -> None:

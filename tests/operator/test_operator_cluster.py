@@ -514,6 +514,11 @@ INVALID: list[tuple[str, Any, str]] = [
         "spec.decode.autoscaling.minReplicas must be at least 1 when spec.autoscaling.mode is HPA",
     ),
     (
+        "KV usage target above 1",
+        {"autoscaling": {"targets": {"kvCacheUsage": 1.5}}},
+        "spec.autoscaling.targets.kvCacheUsage",
+    ),
+    (
         "prefillPerDecode min above max",
         ratio_patch({"min": 2, "max": 0.5}),
         "prefillPerDecode.min must be <= prefillPerDecode.max",

@@ -72,6 +72,13 @@ def test_one_hpa_per_scaled_pool_targeting_its_deployment() -> None:
     assert spec["behavior"]["scaleDown"] == {"stabilizationWindowSeconds": 120}
 
 
+def test_default_metrics_follow_the_spec_targets() -> None:
+    found = hpas(hpa_spec(targets={"prefillUtilization": 0.85, "kvCacheUsage": 0.6}))
+    prefill = found["chat-prefill"]["spec"]["metrics"][0]["pods"]["target"]
+    kv = found["chat-decode"]["spec"]["metrics"][0]["pods"]["target"]
+    assert (prefill["averageValue"], kv["averageValue"]) == ("850m", "600m")
+
+
 def test_no_hpas_outside_mode_hpa() -> None:
     builtin = hpa_spec()
     builtin["autoscaling"]["mode"] = "Builtin"

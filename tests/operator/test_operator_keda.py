@@ -101,6 +101,20 @@ def test_default_triggers_ask_for_the_slo_and_the_builtin_targets() -> None:
     assert float(wake["metadata"]["threshold"]) >= 1e9  # wakes the pool, never sizes it
 
 
+def test_default_triggers_follow_the_spec_targets() -> None:
+    spec = copy.deepcopy(SPEC)
+    spec["autoscaling"]["targets"] = {
+        "prefillUtilization": 0.9,
+        "kvCacheUsage": 0.5,
+        "prefillQueueShare": 0.35,
+    }
+    objs = built(spec)
+    prefill, decode = triggers(objs["chat-prefill"]), triggers(objs["chat-decode"])
+    assert prefill["prefill-utilization"]["metadata"]["threshold"] == "0.9"
+    assert decode["decode-kv-usage"]["metadata"]["threshold"] == "0.5"
+    assert ">= 0.35 *" in prefill["prefill-ttft"]["metadata"]["query"]
+
+
 def test_pool_triggers_replace_the_defaults() -> None:
     mine = {"type": "cpu", "metricType": "Utilization", "metadata": {"value": "60"}}
     spec = copy.deepcopy(SPEC)

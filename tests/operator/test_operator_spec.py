@@ -137,6 +137,23 @@ def test_prefill_per_decode_parses_and_is_checked_like_the_crd() -> None:
             parse_spec(spec)
 
 
+def test_autoscaling_targets_parse_with_defaults_and_name_bad_values() -> None:
+    default = parse_spec(BASE).targets
+    assert (default.prefill_utilization, default.kv_cache_usage) == (0.7, 0.8)
+    assert default.prefill_queue_share == 0.2
+    mine = parse_spec(with_("autoscaling.targets", {"kvCacheUsage": 1, "prefillQueueShare": 0}))
+    assert (mine.targets.kv_cache_usage, mine.targets.prefill_queue_share) == (1.0, 0.0)
+    assert mine.targets.prefill_utilization == 0.7
+    for key, value, message in (
+        ("prefillUtilization", 0, r"0 must be in \(0, 1\]"),
+        ("kvCacheUsage", 1.5, r"1.5 must be in \(0, 1\]"),
+        ("prefillQueueShare", -0.1, r"-0.1 must be in \[0, 1\]"),
+        ("kvCacheUsage", "80%", "'80%' is not a number"),
+    ):
+        with pytest.raises(SpecError, match=f"^spec.autoscaling.targets.{key}: {message}"):
+            parse_spec(with_("autoscaling.targets", {key: value}))
+
+
 def test_volume_needs_one_source_and_path_under_mount() -> None:
     with pytest.raises(SpecError, match="^spec.model.volume: "):
         parse_spec(with_("model.volume", {"hostPath": {"path": "/a"}, "nfs": {}}))
