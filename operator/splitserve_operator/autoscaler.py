@@ -85,12 +85,21 @@ def unreachable_ratio(
     ratio: RatioBounds, prefill: tuple[int, int], decode: tuple[int, int]
 ) -> str | None:
     """ "max" or "min" when that bound can never hold given each pool's (minReplicas,
-    maxReplicas); None when both can."""
-    if ratio.high is not None and prefill[0] > ratio.high * decode[1] + 1e-9:
+    maxReplicas); "both" when each can but no whole replica counts meet both at once (min =
+    max = 0.4 with one prefill replica); None when some counts (or both pools at zero) do."""
+    eps = 1e-9
+    if ratio.high is not None and prefill[0] > ratio.high * decode[1] + eps:
         return "max"  # the fewest prefill replicas need more decode replicas than allowed
-    if ratio.low is not None and prefill[1] < ratio.low * decode[0] - 1e-9:
+    if ratio.low is not None and prefill[1] < ratio.low * decode[0] - eps:
         return "min"
-    return None
+    if prefill[0] == 0 and decode[0] == 0:
+        return None
+    for p in range(prefill[0], prefill[1] + 1):
+        d_lo = decode[0] if ratio.high is None else max(decode[0], math.ceil(p / ratio.high - eps))
+        d_hi = decode[1] if not ratio.low else min(decode[1], math.floor(p / ratio.low + eps))
+        if d_lo <= d_hi:
+            return None
+    return "both"
 
 
 @dataclass(frozen=True)
@@ -597,76 +606,96 @@ def _within_ratio(
     ratio: RatioBounds,
     budget: int | None,
 ) -> dict[str, Decision]:
-    """Keep prefill replicas per decode replica within [ratio.low, ratio.high]. The pool that
-    lags is raised (or kept from shrinking), up to its maxReplicas and the GPU budget's room;
-    only when it cannot follow is the other pool's scale-up trimmed. Like the budget, this never
-    scales a pool below its current replicas: a bound that still cannot hold is said in the
-    reason, and the next evaluations close it as the pools' own decisions move."""
-    out = dict(decisions)
+    """Keep prefill replicas per decode replica within [ratio.low, ratio.high] (both pools at
+    zero always are). Of the pairs that hold it, within each pool's [minReplicas, maxReplicas]
+    and the GPU budget, it takes the one that trims the pools' own decisions least, then adds
+    the fewest GPUs (replicas, without GPUs): the pool that lags is raised (or kept from
+    shrinking) and a scale-up is trimmed only when the other pool cannot follow. Like the
+    budget, it never takes a pool below its current replicas (or its own lower decision): a
+    bound that cannot hold then is said in the reason and closes as the pools' decisions move."""
+    p_dec, d_dec = decisions["prefill"], decisions["decode"]
+    p0, d0 = p_dec.replicas, d_dec.replicas
+    low, high = ratio.low, ratio.high
     eps = 1e-9
-    for field_name, bound_value in (("max", ratio.high), ("min", ratio.low)):
-        if bound_value is None:
+
+    def holds(p: int, d: int) -> bool:
+        if p == 0 and d == 0:
+            return True
+        return (low is None or p >= low * d - eps) and (high is None or p <= high * d + eps)
+
+    if holds(p0, d0):
+        return decisions
+    sp, sd = states["prefill"], states["decode"]
+    gp, gd = sp.gpus_per_replica, sd.gpus_per_replica
+    # The GPUs the pair may use: the budget, or what the decisions already hold if more (the
+    # budget trims scale-ups, it never forces a scale-down).
+    gpu_cap = None if budget is None or not (gp or gd) else max(budget, p0 * gp + d0 * gd)
+
+    def floor_of(dec: Decision, state: PoolState) -> int:
+        return max(min(dec.current, dec.replicas), state.min_replicas)
+
+    best: tuple[tuple[int, int, int], int, int] | None = None
+    for p in range(floor_of(p_dec, sp), max(sp.max_replicas, p0) + 1):
+        d_lo, d_hi = floor_of(d_dec, sd), max(sd.max_replicas, d0)
+        if high is not None:
+            d_lo = max(d_lo, math.ceil(p / high - eps))
+        if low:
+            d_hi = min(d_hi, math.floor(p / low + eps))
+        if gpu_cap is not None and gd:
+            d_hi = min(d_hi, (gpu_cap - p * gp) // gd)
+        elif gpu_cap is not None and p * gp > gpu_cap:
             continue
-        p, d = out["prefill"].replicas, out["decode"].replicas
-        if field_name == "max":
-            # Too much prefill for the decode pool: decode follows, else prefill is trimmed.
-            if p <= bound_value * d + eps:
-                continue
-            lagging, leading = "decode", "prefill"
-            need = math.ceil(p / bound_value - eps)
-        else:
-            # Too little prefill for the decode pool: prefill follows, else decode is trimmed.
-            if p >= bound_value * d - eps:
-                continue
-            lagging, leading = "prefill", "decode"
-            need = math.ceil(bound_value * d - eps)
-        what = f"prefillPerDecode.{field_name} {bound_value:g}"
-        lag = out[lagging]
-        state = states[lagging]
-        room = state.max_replicas
-        gpus = state.gpus_per_replica
-        if budget is not None and gpus:
-            spare = budget - used_with(out, states, lagging, lag.replicas)
-            room = min(room, lag.replicas + max(spare, 0) // gpus)
-        raised = max(lag.replicas, min(need, room))
-        if raised > lag.replicas:
-            lead_n = out[leading].replicas
-            out[lagging] = replace(
-                lag,
-                replicas=raised,
-                verdict=RATIO_BOUND,
-                reason=f"{lag.reason}; {raised} to keep {what} with {lead_n} {leading} replicas",
-            )
-        p, d = out["prefill"].replicas, out["decode"].replicas
-        met = p <= bound_value * d + eps if field_name == "max" else p >= bound_value * d - eps
-        if met:
+        if d_lo > d_hi:
             continue
-        lead = out[leading]
-        keep = max(min(lead.current, lead.replicas), states[leading].min_replicas)
-        if field_name == "max":
-            fits = math.floor(bound_value * d + eps)
-        else:
-            fits = math.floor(p / bound_value + eps)
-        trimmed = min(lead.replicas, max(keep, fits))
-        limit = f"{lagging} is at {out[lagging].replicas}" + (
-            f", its maxReplicas {state.max_replicas}"
-            if out[lagging].replicas >= state.max_replicas
-            else f", all the gpuBudget {budget} allows"
+        d = min(max(d0, d_lo), d_hi)  # as close to decode's own decision as the bounds allow
+        if not holds(p, d):
+            continue
+        trimmed = max(p0 - p, 0) + max(d0 - d, 0)
+        added = max(p - p0, 0) * max(gp, 1) + max(d - d0, 0) * max(gd, 1)
+        key = (trimmed, added, abs(p - p0))
+        if best is None or key < best[0]:
+            best = (key, p, d)
+
+    out = dict(decisions)
+    what = " and ".join(
+        f"prefillPerDecode.{name} {value:g}"
+        for name, value in (("min", low), ("max", high))
+        if value is not None
+    )
+    if best is None:
+        note = (
+            f"; {what} cannot hold ({p0} prefill, {d0} decode) within maxReplicas"
+            + (f" and gpuBudget {budget}" if gpu_cap is not None else "")
+            + " without scaling a pool below its current replicas"
         )
-        if trimmed < lead.replicas:
-            lead = replace(
-                lead,
-                replicas=trimmed,
+        out["prefill"] = replace(p_dec, reason=p_dec.reason + note)
+        return out
+    _, p, d = best
+    for pool, dec, n, other, other_n in (
+        ("prefill", p_dec, p, "decode", d),
+        ("decode", d_dec, d, "prefill", p),
+    ):
+        if n > dec.replicas:
+            out[pool] = replace(
+                dec,
+                replicas=n,
+                verdict=RATIO_BOUND,
+                reason=f"{dec.reason}; {n} to keep {what} with {other_n} {other} replicas",
+            )
+        elif n < dec.replicas:
+            other_state = states[other]
+            limit = (
+                f"its maxReplicas {other_state.max_replicas}"
+                if other_n >= other_state.max_replicas
+                else f"all the gpuBudget {budget} allows"
+            )
+            out[pool] = replace(
+                dec,
+                replicas=n,
                 verdict=RATIO_LIMITED,
-                reason=f"{lead.reason}; limited to {trimmed} by {what}: {limit}",
+                reason=f"{dec.reason}; limited to {n} by {what}: {other} can only reach "
+                f"{other_n}, {limit}",
             )
-        p, d = (lead.replicas, d) if leading == "prefill" else (p, lead.replicas)
-        if not (p <= bound_value * d + eps if field_name == "max" else p >= bound_value * d - eps):
-            lead = replace(
-                lead,
-                reason=f"{lead.reason}; {what} is not met ({p} prefill, {d} decode): {limit}",
-            )
-        out[leading] = lead
     return out
 
 

@@ -282,8 +282,8 @@ def desired_children(
         objects += monitors(service, namespace, spec, owner)
     if spec.autoscaling_mode == "HPA":
         objects += autoscalers(service, namespace, spec, owner)
-    url = prometheus_url(spec, config)
-    if spec.autoscaling_mode == "KEDA" and url and not keda_problem(spec, config, keda_available):
+    if spec.autoscaling_mode == "KEDA" and not keda_problem(spec, config, keda_available):
+        url = prometheus_url(spec, config) or ""  # unused when every pool has its own triggers
         objects += scaled_objects(service, namespace, spec, owner, url)
     return objects
 

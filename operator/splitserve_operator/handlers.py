@@ -55,7 +55,12 @@ class Operator:
             cached = self._served.get(group_version)
             if cached and time.monotonic() - cached[0] < MONITORING_TTL_SECONDS:
                 return cached[1]
-        found = self.kube.serves(group_version, plurals)
+        try:
+            found = self.kube.serves(group_version, plurals)
+        except KubeError as e:
+            # Discovery failing (a 5xx, a timeout) says nothing: keep the last answer.
+            log.warning("cannot tell whether %s is served: %s", group_version, e)
+            return bool(cached and cached[1])
         with self._lock:
             self._served[group_version] = (time.monotonic(), found)
         return found
@@ -93,15 +98,11 @@ class Operator:
         objects = desired_children(
             name, namespace, meta["uid"], spec, self.config, self.monitoring_available(), keda
         )
-        try:
-            outcome = apply_children(self.kube, objects, spec.autoscaling_mode)
-        except KubeError as e:
-            self.write_status(namespace, name, error=str(e))
-            kopf.warn(body, reason="ApplyFailed", message=str(e))
-            raise kopf.TemporaryError(str(e), delay=10) from e
         if why == "change":
             # What rules a child out is a spec change (or, after a restart, a resume): no need
-            # to look on every resync.
+            # to look on every resync. Before the apply: a mode change from HPA to KEDA must
+            # drop the operator's HPA first (KEDA's admission webhook refuses a ScaledObject
+            # for a Deployment another HPA scales).
             for because, unwanted in unwanted_children(name, spec, self.config).items():
                 refs = [Ref(av, kind, namespace, child) for av, kind, child in unwanted]
                 try:
@@ -113,6 +114,12 @@ class Operator:
                 if deleted:
                     message = f"deleted {', '.join(deleted)}: {because}"
                     kopf.info(body, reason="Deleted", message=message)
+        try:
+            outcome = apply_children(self.kube, objects, spec.autoscaling_mode)
+        except KubeError as e:
+            self.write_status(namespace, name, error=str(e))
+            kopf.warn(body, reason="ApplyFailed", message=str(e))
+            raise kopf.TemporaryError(str(e), delay=10) from e
         if outcome.created and why == "child-deleted":
             kopf.info(
                 body, reason="DriftRepaired", message="recreated " + ", ".join(outcome.created)
@@ -212,7 +219,14 @@ class Operator:
         Prometheus operator's CRDs removed, say) reads as absent."""
         deleted = []
         for ref in refs:
-            live = self.kube.get(ref)
+            try:
+                live = self.kube.get(ref)
+            except KubeError as e:
+                if e.status != 403:
+                    raise
+                # An older ClusterRole without this kind: nothing of it can have been made.
+                log.warning("cannot read %s to prune it: %s", ref, e)
+                continue
             meta = (live or {}).get("metadata") or {}
             if not any(o.get("uid") == uid for o in meta.get("ownerReferences") or []):
                 continue
@@ -297,6 +311,19 @@ def owner_service(body: kopf.Body) -> tuple[str, str] | None:
     return None
 
 
+def keda_hpa_service(body: kopf.Body) -> str | None:
+    """The LLMService an HPA that KEDA made for one of its ScaledObjects serves: KEDA copies
+    the ScaledObject's labels, ours included, onto it."""
+    refs = body.meta.get("ownerReferences") or []
+    if not any(
+        r.get("kind") == "ScaledObject" and str(r.get("apiVersion", "")).startswith("keda.sh/")
+        for r in refs
+    ):
+        return None
+    service = (body.meta.get("labels") or {}).get("app.kubernetes.io/instance")
+    return str(service) if service else None
+
+
 def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
     """Attach every handler to `registry`; the resync interval comes from the settings."""
 
@@ -355,6 +382,11 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         body: kopf.Body, namespace: str | None, type: str | None, logger: kopf.Logger, **_: Any
     ) -> None:
         owner = owner_service(body)
+        if owner is None and namespace and type != "DELETED":
+            # The HPA KEDA made for a ScaledObject (mode KEDA): its verdicts reach status too.
+            if service := keda_hpa_service(body):
+                operator.write_status(namespace, service)
+            return
         if not (owner and namespace):
             return
         service, uid = owner

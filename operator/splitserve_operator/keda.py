@@ -8,8 +8,8 @@ on the TTFT percentile against spec.slo.ttft when queueing for prefill is at lea
 targets.prefillQueueShare of it (the Builtin rule, written in PromQL), plus per-replica load
 (prefill utilization; decode KV usage and running sequences). KEDA hands them to an HPA it owns
 (`keda-hpa-<name>`), which takes the largest replica count any trigger asks for. minReplicas 0
-is allowed: KEDA scales a pool to zero after `cooldownPeriod` and back when the router has
-requests in flight."""
+is allowed: KEDA scales a pool to zero after `cooldownPeriod` and back when requests reach the
+router."""
 
 from __future__ import annotations
 
@@ -32,14 +32,16 @@ WAKE_ONLY_THRESHOLD = 1_000_000_000
 
 
 def _num(value: float) -> str:
-    """A trigger threshold as KEDA parses it (a decimal string)."""
-    return f"{value:.6g}"
+    """A trigger threshold as KEDA parses it: a plain decimal string (no exponent)."""
+    return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
 def queries(namespace: str, service: str, spec: Spec) -> dict[str, str]:
     """The PromQL of every default trigger, by name. Series are selected as the built-in
     autoscaler selects them (prometheus.py): the `namespace` label the scrape adds, the
-    `service` and `pool` labels the processes export."""
+    `service` and `pool` labels the processes export. Latencies are in milliseconds: KEDA
+    keeps metric values and thresholds to 0.001, which in seconds would round an 8 ms objective
+    by 12% (more than the HPA's tolerance) and a sub-millisecond one to zero."""
     q = spec.percentile / 100.0
     scrape = parse_duration(spec.monitoring_interval, "spec.monitoring.interval")
     w = f"{math.ceil(window_seconds(spec.autoscaling_interval, scrape))}s"
@@ -58,13 +60,18 @@ def queries(namespace: str, service: str, spec: Spec) -> dict[str, str]:
         ),
         # TTFT, but only while queueing for prefill is a real share of it: a TTFT made late by
         # decode admission is no reason for more prefill (the query is then empty: 0).
-        "prefill-ttft": (
-            f"{ttft} and on () ({queue} >= {spec.targets.prefill_queue_share:g} * {ttft})"
+        "prefill-ttft-ms": (
+            f"1000 * {ttft} and on () ({queue} >= {spec.targets.prefill_queue_share:g} * {ttft})"
         ),
-        "decode-tpot": quantile("time_per_output_token_seconds"),
+        "decode-tpot-ms": f"1000 * {quantile('time_per_output_token_seconds')}",
         "decode-kv-usage": f'sum(splitserve_kv_cache_usage_ratio{{{sel},pool="decode"}})',
         "decode-running": f'sum(splitserve_requests_running{{{sel},pool="decode"}})',
-        "wake": f"sum(splitserve_router_requests_in_flight{{{router}}})",
+        # Requests arriving (rejected ones too: a pool at zero answers them 503 at once, so
+        # they are never in flight long enough to be scraped) or in flight.
+        "wake": (
+            f"(sum(rate(splitserve_requests_total{{{router}}}[{w}])) or vector(0)) + "
+            f"(sum(splitserve_router_requests_in_flight{{{router}}}) or vector(0))"
+        ),
     }
 
 
@@ -92,12 +99,16 @@ def default_triggers(pool: str, namespace: str, service: str, spec: Spec, url: s
                 "prefill-utilization", url, qs["prefill-utilization"],
                 spec.targets.prefill_utilization, "AverageValue",
             ),
-            _trigger("prefill-ttft", url, qs["prefill-ttft"], spec.ttft_seconds, "Value"),
+            _trigger(
+                "prefill-ttft-ms", url, qs["prefill-ttft-ms"], spec.ttft_seconds * 1000, "Value"
+            ),
         ]  # fmt: skip
     else:
         batch = int(spec.decode.settings["maxBatchSize"])
         triggers = [
-            _trigger("decode-tpot", url, qs["decode-tpot"], spec.tpot_seconds, "Value"),
+            _trigger(
+                "decode-tpot-ms", url, qs["decode-tpot-ms"], spec.tpot_seconds * 1000, "Value"
+            ),
             _trigger(
                 "decode-kv-usage", url, qs["decode-kv-usage"], spec.targets.kv_cache_usage,
                 "AverageValue",
@@ -174,13 +185,20 @@ def keda_problem(spec: Spec, config: OperatorConfig, served: bool) -> tuple[str,
             f"the cluster does not serve {SCALED_OBJECT[0]} {SCALED_OBJECTS_PLURAL}: install KEDA "
             "(its CRDs and operator), or choose autoscaling.mode Builtin",
         )
-    if not prometheus_url(spec, config):
+    defaults = [p for p in ("prefill", "decode") if not _own_triggers(spec, p)]
+    if defaults and not prometheus_url(spec, config):
         return (
             "NoPrometheus",
-            "mode KEDA queries Prometheus: set spec.autoscaling.metrics.prometheus.url (or the "
-            "chart's prometheusUrl)",
+            f"the default triggers of {' and '.join(defaults)} query Prometheus: set "
+            "spec.autoscaling.metrics.prometheus.url (or the chart's prometheusUrl), or give "
+            "the pool its own autoscaling.triggers",
         )
     return None
+
+
+def _own_triggers(spec: Spec, pool: str) -> bool:
+    bounds = spec.pool(pool).bounds
+    return bool(bounds and bounds.triggers)
 
 
 def keda_hpa_name(scaled_object: Mapping[str, Any]) -> str:

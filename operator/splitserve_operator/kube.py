@@ -162,7 +162,9 @@ class Kube:
         """Discovery: does the cluster serve these resources (e.g. the Prometheus operator's)?"""
         try:
             doc = self.request("GET", f"/apis/{group_version}")
-        except KubeError:
-            return False
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise  # the API server erring is no answer
         names = {r.get("name") for r in (doc or {}).get("resources", [])}
         return all(p in names for p in plurals)

@@ -3,9 +3,11 @@ what it changed. Level-based: it runs the same way on create, update, resume and
 so a deleted child is recreated and a hand-edited field is taken back.
 
 Replicas: the main field manager never keeps spec.replicas of a Deployment. A second manager
-(REPLICAS_FIELD_MANAGER) sets it: always in mode Off, only at creation in Builtin and HPA, so the
-autoscaler's (or an HPA's) value is never overwritten and dropping the field from the main
-apply never resets it."""
+(REPLICAS_FIELD_MANAGER) sets it: always in mode Off, only at creation in Builtin, HPA and KEDA,
+so the autoscaler's (or an HPA's) value is never overwritten and dropping the field from the
+main apply never resets it. One exception: in mode HPA a pool at zero (scaled there by Builtin
+or KEDA before the mode changed) restarts at spec.<pool>.replicas, since an HPA does not scale
+a Deployment up from zero."""
 
 from __future__ import annotations
 
@@ -70,7 +72,10 @@ def apply_deployment(kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcom
         outcome.created.append(str(ref))
     else:
         result = kube.apply(without_replicas(obj), FIELD_MANAGER)
-        if mode == "Off" and int(result["spec"].get("replicas", -1)) != desired:
+        live_replicas = int(result["spec"].get("replicas", -1))
+        if (mode == "Off" and live_replicas != desired) or (
+            mode == "HPA" and live_replicas == 0 and desired > 0
+        ):
             result = kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
         if changed(live, result):
             outcome.updated.append(str(ref))

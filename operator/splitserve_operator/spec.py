@@ -7,6 +7,7 @@ defaults again so the pure builders work on dicts that never went through an API
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -342,8 +343,8 @@ def _prefill_per_decode(
         value = ratio.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise SpecError(f"{path}.{key}: {value!r} is not a number")
-        if value is not None and not value > 0:
-            raise SpecError(f"{path}.{key}: {value} must be greater than 0")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise SpecError(f"{path}.{key}: {value} must be a finite number greater than 0")
         out.append(None if value is None else float(value))
     low, high = out
     if low is not None and high is not None and low > high:
@@ -363,6 +364,12 @@ def _prefill_per_decode(
                 f"{path}.min: {low:g} cannot hold: spec.decode.autoscaling.minReplicas "
                 f"{d.min_replicas} needs more than spec.prefill.autoscaling.maxReplicas "
                 f"{p.max_replicas} prefill replicas"
+            )
+        if which == "both":
+            raise SpecError(
+                f"{path}: min {low:g} and max {high:g} cannot both hold for any whole replica "
+                f"counts within spec.prefill.autoscaling [{p.min_replicas}, {p.max_replicas}] "
+                f"and spec.decode.autoscaling [{d.min_replicas}, {d.max_replicas}]"
             )
     return low, high
 

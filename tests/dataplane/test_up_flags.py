@@ -30,6 +30,19 @@ from splitserve_workers.cli import main
         (["--autoscale", "--scale-down-stabilization", "-1"], "--scale-down-stabilization"),
         (["--max-prefill-per-decode", "1"], "--max-prefill-per-decode needs --autoscale"),
         (["--autoscale", "--min-prefill-per-decode", "0"], "--min-prefill-per-decode: 0 must"),
+        (["--autoscale", "--max-prefill-per-decode", "inf"], "--max-prefill-per-decode: inf must"),
+        (
+            [
+                "--autoscale",
+                "--max-prefill",
+                "1",
+                "--min-prefill-per-decode",
+                "0.4",
+                "--max-prefill-per-decode",
+                "0.4",
+            ],
+            "--min-prefill-per-decode 0.4 and --max-prefill-per-decode 0.4 cannot both hold",
+        ),  # fmt: skip
         (
             ["--autoscale", "--min-prefill-per-decode", "2", "--max-prefill-per-decode", "1"],
             "--min-prefill-per-decode: 2 is above --max-prefill-per-decode 1",

@@ -434,7 +434,7 @@ def test_ratio_trims_a_scale_up_the_other_pool_cannot_follow() -> None:
     assert (d["decode"].replicas, d["prefill"].replicas) == (2, 2)
     assert d["prefill"].verdict == RATIO_LIMITED
     assert (
-        "limited to 2 by prefillPerDecode.max 1: decode is at 2, its maxReplicas 2"
+        "limited to 2 by prefillPerDecode.max 1: decode can only reach 2, its maxReplicas 2"
         in d["prefill"].reason
     )
     # The GPU budget's room decides as well: decode could reach 8 but 2 GPUs per replica in a
@@ -442,7 +442,7 @@ def test_ratio_trims_a_scale_up_the_other_pool_cannot_follow() -> None:
     prefill, decode = pool("prefill", gpus_per_replica=1), pool("decode", gpus_per_replica=2)
     d = run(prefill, decode, HOT_PREFILL, budget=8, ratio=RatioBounds(high=1))
     assert (d["prefill"].verdict, d["prefill"].replicas) == (RATIO_LIMITED, 2)
-    assert "decode is at 2, all the gpuBudget 8 allows" in d["prefill"].reason
+    assert "decode can only reach 2, all the gpuBudget 8 allows" in d["prefill"].reason
     d = run(prefill, decode, HOT_PREFILL, budget=9, ratio=RatioBounds(high=1))
     assert (d["prefill"].replicas, d["decode"].replicas) == (3, 3)
 
@@ -456,9 +456,29 @@ def test_ratio_never_scales_a_pool_below_its_current_size() -> None:
     )  # fmt: skip
     assert (d["prefill"].verdict, d["prefill"].replicas) == (STEADY, 4)
     assert (
-        "prefillPerDecode.max 1 is not met (4 prefill, 2 decode): decode is at 2, its "
-        "maxReplicas 2" in d["prefill"].reason
+        "prefillPerDecode.max 1 cannot hold (4 prefill, 2 decode) within maxReplicas without "
+        "scaling a pool below its current replicas" in d["prefill"].reason
     )
+
+
+def test_ratio_raises_only_what_a_trimmed_pool_still_needs() -> None:
+    # Budget 8 (1 GPU each), at most 0.5 prefill per decode: prefill wants 2 -> 3, which needs
+    # 6 decode replicas (9 GPUs). Prefill is trimmed back to 2, and decode is not raised for a
+    # prefill count that did not happen.
+    prefill, decode = pool("prefill", gpus_per_replica=1), pool("decode", 4, gpus_per_replica=1)
+    busy = Signals(reporting=4, latency=0.045, kv_usage=0.3, running=40)  # needs its 4
+    d = run(prefill, decode, HOT_PREFILL, busy, budget=8, ratio=RatioBounds(high=0.5))
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (RATIO_LIMITED, 2)
+    assert (d["decode"].verdict, d["decode"].replicas) == (STEADY, 4)
+
+
+def test_ratio_holds_both_bounds_at_once() -> None:
+    # min = max = 0.4 from one replica each: the only pairs are 2:5, 4:10, ...; both bounds
+    # hold after one evaluation (a max pass then a min pass used to leave 2:3).
+    steady = Signals(reporting=1, busy=0.5, latency=0.1)
+    d = run(pool("prefill", 1), pool("decode", 1), steady, ratio=RatioBounds(low=0.4, high=0.4))
+    assert (d["prefill"].replicas, d["decode"].replicas) == (2, 5)
+    assert d["prefill"].verdict == d["decode"].verdict == RATIO_BOUND
 
 
 def test_ratio_leaves_pools_at_zero_alone() -> None:

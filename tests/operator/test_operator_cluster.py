@@ -342,7 +342,7 @@ def test_keda_mode_makes_scaled_objects_keda_accepts_and_prunes_them(
     assert decode["spec"]["scaleTargetRef"]["name"] == "tiny-decode"
     assert (decode["spec"]["minReplicaCount"], decode["spec"]["maxReplicaCount"]) == (0, 6)
     names = {t["name"] for t in decode["spec"]["triggers"]}
-    assert names == {"decode-tpot", "decode-kv-usage", "decode-running", "wake"}
+    assert names == {"decode-tpot-ms", "decode-kv-usage", "decode-running", "wake"}
     assert not get_json(cp, "-n", namespace, "hpa")["items"]  # the operator makes no HPA
     # Nothing reconciles them in this cluster (no KEDA operator): the condition says so,
     # and the operator leaves the replicas alone.

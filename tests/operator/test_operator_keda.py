@@ -70,9 +70,9 @@ def test_one_scaled_object_per_pool_targeting_its_deployment() -> None:
 def test_default_triggers_ask_for_the_slo_and_the_builtin_targets() -> None:
     objs = built()
     prefill, decode = triggers(objs["chat-prefill"]), triggers(objs["chat-decode"])
-    assert set(prefill) == {"prefill-utilization", "prefill-ttft"}
-    # A pool that may sit at zero gets the router's in-flight requests to wake it.
-    assert set(decode) == {"decode-tpot", "decode-kv-usage", "decode-running", "wake"}
+    assert set(prefill) == {"prefill-utilization", "prefill-ttft-ms"}
+    # A pool that may sit at zero gets the router's requests to wake it.
+    assert set(decode) == {"decode-tpot-ms", "decode-kv-usage", "decode-running", "wake"}
     for t in [*prefill.values(), *decode.values()]:
         assert t["type"] == "prometheus"
         assert t["metadata"]["serverAddress"] == URL
@@ -82,13 +82,16 @@ def test_default_triggers_ask_for_the_slo_and_the_builtin_targets() -> None:
     def threshold(t: dict[str, Any]) -> tuple[str, float]:
         return t["metricType"], float(t["metadata"]["threshold"])
 
-    # The latency percentiles against the objectives, proportionally (metricType Value).
-    assert threshold(prefill["prefill-ttft"]) == ("Value", 0.8)
-    assert threshold(decode["decode-tpot"]) == ("Value", 0.04)
-    assert "histogram_quantile(0.99, " in decode["decode-tpot"]["metadata"]["query"]
-    assert "time_per_output_token_seconds_bucket" in decode["decode-tpot"]["metadata"]["query"]
+    # The latency percentiles against the objectives, proportionally (metricType Value), in
+    # milliseconds: KEDA keeps values to 0.001.
+    assert threshold(prefill["prefill-ttft-ms"]) == ("Value", 800)
+    assert threshold(decode["decode-tpot-ms"]) == ("Value", 40)
+    assert decode["decode-tpot-ms"]["metadata"]["threshold"] == "40"
+    tpot_query = decode["decode-tpot-ms"]["metadata"]["query"]
+    assert tpot_query.startswith("1000 * histogram_quantile(0.99, ")
+    assert "time_per_output_token_seconds_bucket" in tpot_query
     # TTFT scales prefill only while prefill queueing is at least 20% of it.
-    ttft_query = prefill["prefill-ttft"]["metadata"]["query"]
+    ttft_query = prefill["prefill-ttft-ms"]["metadata"]["query"]
     assert "prefill_queue_seconds_bucket" in ttft_query and ">= 0.2 *" in ttft_query
     # Per-replica load (AverageValue): the Builtin targets.
     assert threshold(prefill["prefill-utilization"]) == ("AverageValue", 0.7)
@@ -98,7 +101,8 @@ def test_default_triggers_ask_for_the_slo_and_the_builtin_targets() -> None:
     assert "[60s]" in prefill["prefill-utilization"]["metadata"]["query"]
     wake = decode["wake"]
     assert "splitserve_router_requests_in_flight" in wake["metadata"]["query"]
-    assert float(wake["metadata"]["threshold"]) >= 1e9  # wakes the pool, never sizes it
+    assert "rate(splitserve_requests_total" in wake["metadata"]["query"]
+    assert wake["metadata"]["threshold"] == "1000000000"  # wakes the pool, never sizes it
 
 
 def test_default_triggers_follow_the_spec_targets() -> None:
@@ -112,7 +116,7 @@ def test_default_triggers_follow_the_spec_targets() -> None:
     prefill, decode = triggers(objs["chat-prefill"]), triggers(objs["chat-decode"])
     assert prefill["prefill-utilization"]["metadata"]["threshold"] == "0.9"
     assert decode["decode-kv-usage"]["metadata"]["threshold"] == "0.5"
-    assert ">= 0.35 *" in prefill["prefill-ttft"]["metadata"]["query"]
+    assert ">= 0.35 *" in prefill["prefill-ttft-ms"]["metadata"]["query"]
 
 
 def test_pool_triggers_replace_the_defaults() -> None:
@@ -121,7 +125,7 @@ def test_pool_triggers_replace_the_defaults() -> None:
     spec["decode"]["autoscaling"]["triggers"] = [mine]
     objs = built(spec)
     assert objs["chat-decode"]["spec"]["triggers"] == [mine]  # no wake trigger added either
-    assert "prefill-ttft" in triggers(objs["chat-prefill"])
+    assert "prefill-ttft-ms" in triggers(objs["chat-prefill"])
     spec["decode"]["autoscaling"]["triggers"] = [{"metadata": {}}]
     with pytest.raises(SpecError, match=r"^spec.decode.autoscaling.triggers: .* with a type"):
         parse_spec(spec)
@@ -145,8 +149,15 @@ def test_scaled_objects_only_where_keda_and_prometheus_are() -> None:
     assert kinds(OperatorConfig(), True, no_url) == []
     reason, message = keda_problem(no_url, OperatorConfig(), True) or ("", "")
     assert reason == "NoPrometheus" and "spec.autoscaling.metrics.prometheus.url" in message
+    assert message.startswith("the default triggers of prefill and decode query Prometheus")
     assert kinds(OperatorConfig(prometheus_url=URL), True, no_url) == ["ScaledObject"] * 2
     assert keda_problem(no_url, OperatorConfig(prometheus_url=URL), True) is None
+    # Pools with their own triggers need no Prometheus at all.
+    for pool in ("prefill", "decode"):
+        bare[pool]["autoscaling"]["triggers"] = [{"type": "cpu", "metadata": {"value": "60"}}]
+    own = parse_spec(bare)
+    assert keda_problem(own, OperatorConfig(), True) is None
+    assert kinds(OperatorConfig(), True, own) == ["ScaledObject"] * 2
 
 
 def keda_status(*conds: tuple[str, str, str], hpa: str = "keda-hpa-x") -> dict[str, Any]:
@@ -250,3 +261,50 @@ def test_mode_keda_allows_pools_at_zero() -> None:
     hpa["autoscaling"]["mode"] = "HPA"
     with pytest.raises(SpecError, match="minReplicas: must be at least 1"):
         parse_spec(hpa)
+
+
+def test_the_hpa_keda_makes_leads_back_to_its_llmservice() -> None:
+    import kopf
+    from splitserve_operator.handlers import keda_hpa_service
+
+    def hpa(owner_kind: str, api_version: str) -> kopf.Body:
+        return kopf.Body(
+            {
+                "kind": "HorizontalPodAutoscaler",
+                "metadata": {
+                    "name": "keda-hpa-chat-decode",
+                    # KEDA copies the ScaledObject's labels onto its HPA.
+                    "labels": {"app.kubernetes.io/instance": "chat"},
+                    "ownerReferences": [
+                        {"kind": owner_kind, "apiVersion": api_version, "name": "chat-decode"}
+                    ],
+                },
+            }
+        )
+
+    assert keda_hpa_service(hpa("ScaledObject", "keda.sh/v1alpha1")) == "chat"
+    assert keda_hpa_service(hpa("ScaledObject", "example.com/v1")) is None
+    assert keda_hpa_service(hpa("LLMService", "splitserve.io/v1alpha1")) is None
+
+
+def test_a_failing_discovery_keeps_the_last_answer() -> None:
+    from splitserve_operator.handlers import Operator
+    from splitserve_operator.kube import KubeError
+
+    class Discovery:
+        answer: bool | Exception = True
+
+        def serves(self, group_version: str, plurals: tuple[str, ...]) -> bool:
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    kube = Discovery()
+    op = Operator(kube, OperatorConfig())  # type: ignore[arg-type]
+    assert op.keda_available() is True
+    op._served = {k: (0.0, v) for k, (_, v) in op._served.items()}  # the cached answer expired
+    kube.answer = KubeError(503, "GET", "/apis/keda.sh/v1alpha1", "unavailable")
+    assert op.keda_available() is True  # a 503 says nothing about KEDA
+    kube.answer = False  # a real answer (the API server said 404) replaces it
+    op._served = {}
+    assert op.keda_available() is False

@@ -86,6 +86,20 @@ def test_hpa_mode_never_sends_replicas_after_creation() -> None:
     assert outcome.created == [] and outcome.updated == []
 
 
+def test_hpa_mode_restarts_a_pool_left_at_zero() -> None:
+    # Builtin or KEDA scaled decode to zero, then the mode became HPA: an HPA never scales a
+    # Deployment up from zero, so the pool restarts at spec.decode.replicas, once.
+    kube = RecordingKube()
+    apply_children(kube, children("KEDA"), "KEDA")  # type: ignore[arg-type]
+    kube.objects[DECODE]["spec"]["replicas"] = 0
+    apply_children(kube, children("KEDA"), "KEDA")  # type: ignore[arg-type]
+    assert kube.objects[DECODE]["spec"]["replicas"] == 0  # KEDA's zero stands in mode KEDA
+    kube.calls.clear()
+    apply_children(kube, children("HPA", decode_replicas=3), "HPA")  # type: ignore[arg-type]
+    assert decode_calls(kube) == [(FIELD_MANAGER, None), (REPLICAS_FIELD_MANAGER, 3)]
+    assert kube.objects[DECODE]["spec"]["replicas"] == 3
+
+
 def test_off_mode_enforces_spec_replicas_through_the_replicas_manager() -> None:
     kube = RecordingKube()
     apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]

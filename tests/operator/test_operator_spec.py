@@ -118,7 +118,10 @@ def test_prefill_per_decode_parses_and_is_checked_like_the_crd() -> None:
     assert (unset.prefill_per_decode_min, unset.prefill_per_decode_max) == (None, None)
     bad = [
         (ratio_spec({"max": 1}, mode="HPA"), "^spec.autoscaling.prefillPerDecode: applies only"),
-        (ratio_spec({"max": 0}), r"^spec.autoscaling.prefillPerDecode.max: 0 must be greater"),
+        (
+            ratio_spec({"max": 0}),
+            r"^spec.autoscaling.prefillPerDecode.max: 0 must be a finite number greater",
+        ),
         (ratio_spec({"min": "1:2"}), r"^spec.autoscaling.prefillPerDecode.min: '1:2' is not a"),
         (ratio_spec({"min": 2, "max": 1}), "^spec.autoscaling.prefillPerDecode: min 2 must not"),
         (
@@ -132,6 +135,13 @@ def test_prefill_per_decode_parses_and_is_checked_like_the_crd() -> None:
             "minReplicas 4 needs more than spec.prefill.autoscaling.maxReplicas 1",
         ),
     ]
+    bad.append(
+        (
+            ratio_spec({"min": 0.4, "max": 0.4}, prefill=(1, 1), decode=(1, 10)),
+            r"^spec.autoscaling.prefillPerDecode: min 0.4 and max 0.4 cannot both hold for any "
+            r"whole replica counts within spec.prefill.autoscaling \[1, 1\]",
+        )
+    )
     for spec, message in bad:
         with pytest.raises(SpecError, match=message):
             parse_spec(spec)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import math
 import os
 import re
 import shutil
@@ -477,8 +478,8 @@ def _check_ratio(
 
     low, high = args.min_prefill_per_decode, args.max_prefill_per_decode
     for flag, value in (("--min-prefill-per-decode", low), ("--max-prefill-per-decode", high)):
-        if value is not None and not value > 0:
-            raise _usage_error(f"{flag}: {value:g} must be greater than 0")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise _usage_error(f"{flag}: {value:g} must be a finite number greater than 0")
     if low is not None and high is not None and low > high:
         raise _usage_error(
             f"--min-prefill-per-decode: {low:g} is above --max-prefill-per-decode {high:g}"
@@ -495,6 +496,12 @@ def _check_ratio(
             f"--min-prefill-per-decode: {low:g} cannot hold: --min-decode "
             f"{bounds['decode'][0]} needs more than --max-prefill {bounds['prefill'][1]} "
             "prefill workers"
+        )
+    if which == "both":
+        raise _usage_error(
+            f"--min-prefill-per-decode {low:g} and --max-prefill-per-decode {high:g} cannot "
+            f"both hold for any worker counts within --min/--max-prefill {bounds['prefill']} "
+            f"and --min/--max-decode {bounds['decode']}"
         )
     return low, high
 

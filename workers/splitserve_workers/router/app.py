@@ -234,13 +234,14 @@ class Router:
     def cut_in_flight(self) -> None:
         """The drain deadline: every request still generating is cancelled as if its client had
         hung up (which aborts it on the workers) and answered 503 `draining` instead."""
-        if self.runs:
-            log.warning("drain timeout: %d requests still in flight are cut", len(self.runs))
+        pending = [run for run in self.runs if run.cuttable]
+        if pending and not any(run.cut_reason for run in pending):
+            log.warning("drain timeout: %d requests still in flight are cut", len(pending))
         why = (
             "the router is shutting down and its drain timeout "
             f"({self.options.drain_timeout:g}s) has passed"
         )
-        for run in self.runs:
+        for run in pending:
             run.cut(why)
 
     # ---- generation ------------------------------------------------------------------------
@@ -418,6 +419,13 @@ class _Run:
         self.status = "abort"  # until proven otherwise: a cancelled run is an abort
         self.task = asyncio.current_task()
         self.cut_reason: str | None = None
+        self.cut_seen = False  # the cut became this request's answer
+
+    @property
+    def cuttable(self) -> bool:
+        """Still generating and not yet answering a cut (a cancel can be swallowed, e.g. by a
+        wait_for finishing at the same moment: cutting again is how it lands)."""
+        return not self.cut_seen and self.task is not None and not self.task.done()
 
     def cut(self, why: str) -> None:
         """Ends the request now: its handler is cancelled (the client-disconnect path, which
@@ -434,6 +442,7 @@ class _Run:
         except asyncio.CancelledError:
             if self.cut_reason is None or self.task is None:
                 raise
+            self.cut_seen = True
             self.task.uncancel()  # answered, not cancelled: the handler goes on to write it
             raise FlowError(
                 503,
@@ -846,6 +855,7 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None
     linger_end = time.monotonic() + DRAIN_LINGER_S
     while time.monotonic() < linger_end or (router.in_flight and time.monotonic() < deadline):
         await asyncio.sleep(0.05)
+        router.cut_in_flight()  # again, for a cut that did not land (see _Run.cuttable)
     await runner.cleanup()
 
 
