@@ -150,8 +150,9 @@ def test_router_drain_deadline_answers_a_non_streaming_request_503(
 def test_worker_drain_deadline_reaches_the_client_as_an_error_event(
     tiny_model: Path, launch_worker: Any, worker_flags: Any
 ) -> None:
-    """The decode worker's drain timeout passes with streams in flight: it cuts them and exits
-    0, and each client stream still ends with an error event and [DONE], not a cut connection."""
+    """The decode worker's drain timeout passes with streams in flight: it cuts them, saying why,
+    and exits 0, and each client stream still ends with an error event and [DONE], not a cut
+    connection."""
     prefill = launch_worker("prefill", worker_flags(tiny_model, "--num-kv-blocks", "64"))
     # One sequence at a time: the four 1000-token streams below take seconds in all, so the
     # drain (0 s, then the gRPC server's 1 s grace) cuts some however fast the machine is.
@@ -196,6 +197,7 @@ def test_worker_drain_deadline_reaches_the_client_as_an_error_event(
     assert failures == []
     assert decode.proc.wait(timeout=WAIT_S) == 0
     cut = 0
+    reasons = []
     for events in streams:
         assert events[-1] == "[DONE]", events[-3:]
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
@@ -203,10 +205,15 @@ def test_worker_drain_deadline_reaches_the_client_as_an_error_event(
             assert len(errors) == 1 and events[-2] == errors[0], events[-3:]
             assert errors[0]["error"]["code"] == "upstream_error"
             assert f"decode worker {decode.endpoint}" in errors[0]["error"]["message"]
+            reasons.append(errors[0]["error"]["message"])
             cut += 1
         else:
             assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert cut >= 1
+    # The generating stream(s) hear why: the worker ends them with its reason (a stream whose
+    # KV had not settled yet is cancelled by the server's stop, with gRPC's own words).
+    why = "UNAVAILABLE: draining: the worker's drain timeout (0s) passed"
+    assert any(why in r for r in reasons), reasons
     deadline = time.monotonic() + WAIT_S
     while load(prefill.endpoint, "prefill").free_blocks != initial and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -61,7 +61,7 @@ class ColocatedRole(pb_grpc.ColocatedServiceServicer):
                     outs = await stream.next_batch()
                 except EngineFailure as e:
                     finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, str(e))
+                    await context.abort(e.status, str(e))
                     return
                 ev = rt.token_event(outs)
                 finished = ev.finished

@@ -365,7 +365,7 @@ class DecodeRole:
                     outs = await stream.next_batch()
                 except EngineFailure as e:
                     finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, str(e))
+                    await context.abort(e.status, str(e))
                 ev = rt.token_event(outs)
                 if ev.finished:
                     finished = True

@@ -16,13 +16,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from splitserve_workers.engine import IterationStats, LLMEngine, Priority, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class EngineFailure(Exception):
-    """engine.step() raised; every request in flight gets this."""
+    """engine.step() raised; every request in flight gets this. `status`: the gRPC status a
+    handler ends the request's call with."""
+
+    status = grpc.StatusCode.INTERNAL
+
+
+class StreamCut(EngineFailure):
+    """The worker's drain timeout passed with this request still running (cut_all)."""
+
+    status = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass
@@ -139,6 +150,19 @@ class EngineLoop:
         found = self.engine.abort(request_id)
         self._work.set()
         return found
+
+    def cut_all(self, reason: str) -> int:
+        """On the event loop, at the drain deadline: every running request is aborted (its
+        blocks freed) and its stream ends with StreamCut(reason), so its caller hears why
+        rather than a bare cancelled call. Returns how many were cut."""
+        with self._lock:
+            streams = [s for s in self._streams.values() if not s.finished]
+        for s in streams:
+            self.abort(s.request_id)
+            self._unregister(s.request_id)  # its abort output has no reader left
+            s.finished = True
+            s.queue.put_nowait(StreamCut(reason))
+        return len(streams)
 
     def forget(self, request_id: str) -> None:
         """Stop delivering to a stream whose reader went away (after abort)."""

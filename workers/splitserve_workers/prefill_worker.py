@@ -123,7 +123,7 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
                     outs = await stream.next_batch()
                 except EngineFailure as e:
                     finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, str(e))
+                    await context.abort(e.status, str(e))
                     return
                 for o in outs:
                     if o.token_id is not None and first is None:

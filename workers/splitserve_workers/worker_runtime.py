@@ -317,6 +317,11 @@ async def serve(settings: WorkerSettings, make_role: Any) -> int:
         await asyncio.sleep(0.05)
     if role.busy() > 0:
         log.warning("drain timeout: %d requests still in flight are cut", role.busy())
+        # Each running stream ends with UNAVAILABLE and this reason (the router relays it to
+        # the client), instead of the bare cancellation server.stop would give it.
+        worker.loop.cut_all(
+            f"draining: the worker's drain timeout ({settings.drain_timeout_s:g}s) passed"
+        )
     await server.stop(grace=1.0)
     await role.close()
     worker.loop.stop()
