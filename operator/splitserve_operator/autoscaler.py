@@ -29,6 +29,18 @@ DECODE_TARGET_KV_USAGE = 0.8
 # TTFT over its objective scales prefill only when queueing for prefill is this much of it.
 PREFILL_QUEUE_SHARE = 0.2
 MAX_SCALE_UP_FACTOR = 2.0
+# Decode's TPOT model, TPOT = alpha + beta x batch (sequences per replica), is fitted to the
+# (batch, TPOT percentile) pairs of the most recent evaluations once they are this many and
+# this far apart; it is used while it explains the TPOT measured now within this fraction
+# (otherwise TPOT is taken to grow in proportion to the batch, which overstates it).
+TPOT_MODEL_POINTS = 120
+TPOT_MODEL_MIN_POINTS = 6
+TPOT_MODEL_MIN_SPREAD = 2.0
+TPOT_MODEL_MAX_ERROR = 0.25
+# ...and only a line that explains most of the variation (R^2): TPOT flat with noise is no line.
+TPOT_MODEL_MIN_R2 = 0.6
+# "No batch meets the objective" is believed only from small batches actually seen.
+TPOT_MODEL_SMALL_BATCH = 4.0
 # Signals are rates over this many evaluation intervals (and at least MIN_WINDOW_SECONDS), so
 # one quiet or busy scrape does not decide alone.
 WINDOW_INTERVALS = 4
@@ -132,6 +144,52 @@ class Signals:
     request_rate: float = 0.0  # requests per second finishing at the router
     in_flight: float = 0.0  # requests the router serves now
     busy_series: int | None = None  # pods exporting busy seconds (None: not asked)
+
+
+@dataclass(frozen=True)
+class TpotModel:
+    """TPOT at the objective's percentile = alpha + beta x batch, learned online."""
+
+    alpha: float  # seconds: the part of a decode step no batch size removes
+    beta: float  # seconds per sequence in the batch
+    points: int
+    smallest_batch: float = 1.0  # the smallest batch per replica among the points
+
+    def predict(self, batch: float) -> float:
+        return self.alpha + self.beta * max(batch, 1.0)
+
+    def batch_for(self, tpot: float) -> float:
+        """The largest batch per replica predicted to meet `tpot` (below 1: none does)."""
+        return (tpot - self.alpha) / self.beta
+
+    def explains(self, batch: float, tpot: float) -> bool:
+        return abs(self.predict(batch) - tpot) <= TPOT_MODEL_MAX_ERROR * tpot
+
+    def describe(self) -> str:
+        return f"{_ms(self.alpha)} + {_ms(self.beta)} x batch, from {self.points} evaluations"
+
+
+def fit_tpot(points: list[tuple[float, float]]) -> TpotModel | None:
+    """Least squares over (batch per replica, TPOT) pairs; None while they are too few or too
+    close together, or the line they give is not a cost that grows with the batch, or it
+    explains too little of how TPOT varied."""
+    if len(points) < TPOT_MODEL_MIN_POINTS:
+        return None
+    xs = [x for x, _ in points]
+    if max(xs) - min(xs) < TPOT_MODEL_MIN_SPREAD:
+        return None
+    n = len(points)
+    mx, my = sum(xs) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    beta = sum((x - mx) * (y - my) for x, y in points) / var
+    alpha = my - beta * mx
+    if beta <= 0 or alpha < 0:
+        return None
+    total = sum((y - my) ** 2 for _, y in points)
+    residual = sum((y - alpha - beta * x) ** 2 for x, y in points)
+    if total <= 0 or 1 - residual / total < TPOT_MODEL_MIN_R2:
+        return None
+    return TpotModel(alpha, beta, n, min(xs))
 
 
 @dataclass(frozen=True)
@@ -305,21 +363,45 @@ def recommend_prefill(
 
 
 def recommend_decode(
-    state: PoolState, sig: Signals, obj: Objectives, targets: Targets = Targets()
+    state: PoolState,
+    sig: Signals,
+    obj: Objectives,
+    targets: Targets = Targets(),
+    model: TpotModel | None = None,
 ) -> tuple[int, str, str]:
     n = state.replicas
     kv_target = targets.kv_cache_usage
     per = max(sig.reporting, 1)
     pct = f"p{obj.percentile:g}"
     kv = sig.kv_usage or 0.0
+    # The sequences to place: the larger of now and the window's mean, so one quiet scrape
+    # does not stand for the window whose TPOT was measured.
+    load = max(sig.running, sig.mean_running or 0.0) + sig.waiting
+    if model is not None and (sig.latency is None or not model.explains(load / per, sig.latency)):
+        model = None  # the workload changed (longer contexts, another model): not this line
     up: list[tuple[float, str]] = []
+    hopeless = ""
     if sig.latency is not None and sig.latency > obj.tpot_seconds * (1 + TOLERANCE):
-        up.append(
-            (
-                sig.latency / obj.tpot_seconds,
-                f"TPOT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.tpot_seconds)}",
+        late = f"TPOT {pct} {_ms(sig.latency)} is above the objective {_ms(obj.tpot_seconds)}"
+        if model is None:
+            up.append((sig.latency / obj.tpot_seconds, late))
+        elif (batch := model.batch_for(obj.tpot_seconds)) < 1 and (
+            model.smallest_batch <= TPOT_MODEL_SMALL_BATCH
+        ):
+            hopeless = (
+                f"; {late} even at one sequence per replica (TPOT = {model.describe()}): "
+                "more decode replicas would not help"
             )
-        )
+        elif batch < 1:  # an extrapolation to small batches never seen: do not trust it
+            up.append((sig.latency / obj.tpot_seconds, late))
+        else:
+            up.append(
+                (
+                    load / batch / n if n else 1.0,
+                    f"{late}; {batch:.1f} sequences per replica meet it (TPOT = "
+                    f"{model.describe()})",
+                )
+            )
     if kv > kv_target * (1 + TOLERANCE):
         up.append((kv / kv_target, f"KV cache usage {kv:.0%} is above the target {kv_target:.0%}"))
     slots = per * state.max_batch_size
@@ -335,18 +417,18 @@ def recommend_decode(
         ratio, why = max(up)
         return _scale_up(n, ratio), SCALE_UP, why
 
-    # The sequences to place: the larger of now and the window's mean, so one quiet scrape
-    # does not stand for the window whose TPOT was measured.
-    load = max(sig.running, sig.mean_running or 0.0) + sig.waiting
-
     def tpot_on(m: int) -> float | None:
-        # Today's sequences spread over m replicas; TPOT is taken to grow in proportion to
-        # the batch above one sequence, which overstates it (a decode step has a fixed part),
-        # so this errs toward more replicas.
+        # Today's sequences spread over m replicas: on the learned line, or else TPOT taken to
+        # grow in proportion to the batch above one sequence, which overstates it (a decode
+        # step has a fixed part), so that errs toward more replicas.
         if sig.latency is None:
             return None
+        if model is not None:
+            return model.predict(load / max(m, 1))
         now, after = max(load / per, 1.0), max(load / max(m, 1), 1.0)
         return sig.latency * after / now
+
+    how = f"learned TPOT = {model.describe()}" if model else "TPOT taken proportional to batch"
 
     def fits(m: int) -> bool:
         if m == 0:
@@ -366,8 +448,11 @@ def recommend_decode(
             SCALE_DOWN,
             f"{need} replicas would carry today's load: predicted TPOT {pct} "
             f"{_ms(tpot_on(need))} "
-            f"(objective {_ms(obj.tpot_seconds)}), KV usage {kv * per / max(need, 1):.0%}",
+            f"(objective {_ms(obj.tpot_seconds)}; {how}), KV usage "
+            f"{kv * per / max(need, 1):.0%}",
         )
+    if hopeless:
+        return n, STEADY, f"KV usage {kv:.0%}, {sig.running:g} running{hopeless}"
     return (
         n,
         STEADY,
@@ -384,6 +469,10 @@ class History:
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     since: float | None = None
     last_scale_up: float | None = None
+    # decode: (sequences per replica, TPOT percentile) of recent evaluations, for fit_tpot
+    tpot_points: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=TPOT_MODEL_POINTS)
+    )
 
     def add(self, now: float, replicas: int, window: float) -> None:
         if self.since is None:
@@ -510,11 +599,24 @@ def decide(
                 waiting=sig.waiting * f,
                 mean_running=None if sig.mean_running is None else sig.mean_running * f,
             )  # fmt: skip
-        recommend = recommend_prefill if pool == "prefill" else recommend_decode
-        want, verdict, reason = _from_zero(state, sig) or recommend(state, sig, objectives, targets)
+        history = histories.setdefault(pool, History())
+        if pool == "prefill":
+            recommended = recommend_prefill(state, sig, objectives, targets)
+        else:
+            # Fitted to earlier evaluations, then this one joins them.
+            model = fit_tpot(list(history.tpot_points))
+            recommended = recommend_decode(state, sig, objectives, targets, model)
+            if model is not None:
+                inputs["tpotModel"] = {
+                    "alphaSeconds": _round(model.alpha),
+                    "betaSecondsPerSequence": round(model.beta, 6),
+                    "evaluations": model.points,
+                }
+            if sig.latency is not None and sig.mean_running is not None and sig.reporting:
+                history.tpot_points.append((sig.mean_running / sig.reporting, sig.latency))
+        want, verdict, reason = _from_zero(state, sig) or recommended
         urgency[pool] = want / max(state.replicas, 1)
         want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
-        history = histories.setdefault(pool, History())
         starting = state.replicas - state.ready
         unscraped = state.ready - scraped
         if (

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from splitserve_operator.autoscaler import (
     AT_MAX,
     AT_MIN,
@@ -26,6 +27,7 @@ from splitserve_operator.autoscaler import (
     Signals,
     Targets,
     decide,
+    fit_tpot,
     unreachable_ratio,
 )
 
@@ -505,3 +507,105 @@ def test_unreachable_ratio_names_the_bound() -> None:
     assert unreachable_ratio(RatioBounds(low=0.5), (1, 1), (4, 8)) == "min"
     assert unreachable_ratio(RatioBounds(low=0.25), (1, 1), (4, 8)) is None
     assert unreachable_ratio(RatioBounds(), (9, 9), (1, 1)) is None
+
+
+def on_line(alpha: float, beta: float, batches: range) -> dict[str, History]:
+    """Histories of an operator that watched a whole window, with decode evaluations whose TPOT
+    lay on alpha + beta x batch."""
+    histories = watched()
+    for b in batches:
+        histories["decode"].tpot_points.append((float(b), alpha + beta * b))
+    return histories
+
+
+def test_fit_tpot_learns_the_line_and_refuses_what_is_not_one() -> None:
+    points = [(float(b), 0.02 + 0.001 * b) for b in range(4, 12)]
+    model = fit_tpot(points)
+    assert model is not None and model.points == 8
+    assert (model.alpha, model.beta) == (pytest.approx(0.02), pytest.approx(0.001))
+    assert model.batch_for(0.05) == pytest.approx(30)
+    assert fit_tpot(points[:5]) is None  # too few
+    assert fit_tpot([(10.0 + i / 10, 0.03) for i in range(8)]) is None  # batches too close
+    assert fit_tpot([(float(b), 0.05 - 0.001 * b) for b in range(8)]) is None  # falling
+    # TPOT flat but for noise: a slope fits, but explains nothing (R^2 near 0).
+    noisy = [(float(b), 0.2 + (0.002 if b % 2 else -0.002) + 1e-6 * b) for b in range(2, 12)]
+    assert fit_tpot(noisy) is None
+
+
+def test_learned_tpot_lets_decode_shrink_further_than_proportional() -> None:
+    # 40 sequences on 4 replicas at TPOT 30 ms, objective 50 ms. Proportional: 2 replicas
+    # (batch 20) would be 60 ms, so 3. On the learned 20 ms + 1 ms x batch: 2 give 40 ms.
+    sig = Signals(reporting=4, latency=0.03, kv_usage=0.1, running=40, mean_running=40)
+    d = run(pool("prefill"), pool("decode", 4), dsig=sig, histories=watched())["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 3)
+    assert "TPOT taken proportional to batch" in d.reason
+    learned = on_line(0.02, 0.001, range(4, 12))
+    d = run(pool("prefill"), pool("decode", 4), dsig=sig, histories=learned)["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 2)
+    assert "predicted TPOT p95 40ms" in d.reason
+    assert "learned TPOT = 20ms + 1ms x batch, from 8 evaluations" in d.reason
+    assert d.inputs["tpotModel"] == {
+        "alphaSeconds": 0.02,
+        "betaSecondsPerSequence": 0.001,
+        "evaluations": 8,
+    }
+
+
+def test_learned_tpot_sizes_a_scale_up_for_the_objective() -> None:
+    # 80 sequences on 4 replicas at 60 ms, objective 50 ms, TPOT = 40 ms + 1 ms x batch: 10 per
+    # replica meet it, so 8 replicas at once. Proportional asks for 4 x 1.2 = 5.
+    sig = Signals(reporting=4, latency=0.06, kv_usage=0.3, running=80, mean_running=80)
+    d = run(pool("prefill"), pool("decode", 4), dsig=sig)["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_UP, 5)
+    d = run(
+        pool("prefill"), pool("decode", 4), dsig=sig, histories=on_line(0.04, 0.001, range(12, 24))
+    )["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_UP, 8)
+    assert "10.0 sequences per replica meet it (TPOT = 40ms + 1ms x batch" in d.reason
+
+
+def test_an_objective_no_batch_meets_adds_no_replicas() -> None:
+    # TPOT = 60 ms + 1 ms x batch against 50 ms: spreading sequences thinner cannot help.
+    sig = Signals(reporting=2, latency=0.07, kv_usage=0.3, running=20, mean_running=20)
+    hopeless = on_line(0.06, 0.001, range(4, 12))
+    d = run(pool("prefill"), pool("decode"), dsig=sig, histories=hopeless)["decode"]
+    assert (d.verdict, d.replicas) == (STEADY, 2)
+    assert "even at one sequence per replica" in d.reason
+    assert "more decode replicas would not help" in d.reason
+    # KV usage still adds replicas: that is capacity, not latency.
+    full = replace(sig, kv_usage=0.95)
+    d = run(
+        pool("prefill"), pool("decode"), dsig=full, histories=on_line(0.06, 0.001, range(4, 12))
+    )
+    assert d["decode"].verdict == SCALE_UP
+    # Learned only from big batches (20 and up), "not even one sequence" is an extrapolation
+    # it does not believe: it scales up in proportion, as without a model.
+    big = Signals(reporting=2, latency=0.09, kv_usage=0.3, running=60, mean_running=60)
+    d = run(
+        pool("prefill"), pool("decode"), dsig=big, histories=on_line(0.06, 0.001, range(20, 32))
+    )
+    assert (d["decode"].verdict, d["decode"].replicas) == (SCALE_UP, 4)
+
+
+def test_a_model_that_no_longer_explains_tpot_is_not_used() -> None:
+    # The line says 30 ms at batch 10; 60 ms is measured (longer contexts now): proportional.
+    sig = Signals(reporting=4, latency=0.06, kv_usage=0.3, running=40, mean_running=40)
+    d = run(
+        pool("prefill"), pool("decode", 4), dsig=sig, histories=on_line(0.02, 0.001, range(4, 12))
+    )["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_UP, 5)
+    assert "learned" not in d.reason and "sequences per replica meet it" not in d.reason
+
+
+def test_every_decode_evaluation_adds_a_point() -> None:
+    histories: dict[str, History] = {}
+    for running in (10, 20, 30):
+        sig = Signals(reporting=2, latency=0.01 + 0.0005 * running / 2, running=running,
+                      mean_running=running, kv_usage=0.1)  # fmt: skip
+        run(pool("prefill"), pool("decode"), dsig=sig, histories=histories)
+    assert list(histories["decode"].tpot_points) == [
+        (5.0, pytest.approx(0.0125)),
+        (10.0, pytest.approx(0.015)),
+        (15.0, pytest.approx(0.0175)),
+    ]
+    assert not histories["prefill"].tpot_points
