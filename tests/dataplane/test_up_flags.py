@@ -29,6 +29,10 @@ from splitserve_workers.cli import main
         (["--autoscale", "--scale-interval", "0"], "--scale-interval: 0.0 must be positive"),
         (["--autoscale", "--scale-down-stabilization", "-1"], "--scale-down-stabilization"),
         (["--max-prefill-per-decode", "1"], "--max-prefill-per-decode needs --autoscale"),
+        (["--target-kv-usage", "0.5"], "--target-kv-usage needs --autoscale"),
+        (["--autoscale", "--target-utilization", "0"], "--target-utilization: 0 must be in (0, 1]"),
+        (["--autoscale", "--target-kv-usage", "1.5"], "--target-kv-usage: 1.5 must be in (0, 1]"),
+        (["--autoscale", "--target-queue-share", "-1"], "--target-queue-share: -1 must be in"),
         (["--autoscale", "--min-prefill-per-decode", "0"], "--min-prefill-per-decode: 0 must"),
         (["--autoscale", "--max-prefill-per-decode", "inf"], "--max-prefill-per-decode: inf must"),
         (
@@ -111,3 +115,20 @@ def test_unknown_flag_shows_the_subcommands_usage(
     err = capsys.readouterr().err
     assert err.startswith(f"usage: splitserve {command} "), err
     assert err.rstrip().endswith("unrecognized arguments: --bogus"), err
+
+
+def test_autoscale_flags_reach_the_settings() -> None:
+    import argparse
+
+    from splitserve_workers.local import _check_autoscale, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--autoscale", "--target-kv-usage", "0.6", "--target-queue-share", "0",
+         "--max-prefill-per-decode", "2"]
+    )  # fmt: skip
+    settings = _check_autoscale(args, (1, 1, 0))
+    assert settings is not None
+    assert settings.targets == (0.7, 0.6, 0.0)
+    assert settings.prefill_per_decode == (None, 2.0)

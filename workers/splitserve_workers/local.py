@@ -401,6 +401,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=float,
             help=f"{word} prefill workers per decode worker, e.g. 0.5 (default: unbounded)",
         )
+    for flag, what, default in TARGET_FLAGS:
+        scaling.add_argument(f"--{flag}", type=float, help=f"{what} (default {default:g})")
 
 
 AUTOSCALE_FLAGS = (
@@ -415,6 +417,19 @@ AUTOSCALE_FLAGS = (
     "scale_down_stabilization",
     "min_prefill_per_decode",
     "max_prefill_per_decode",
+    "target_utilization",
+    "target_kv_usage",
+    "target_queue_share",
+)
+# The operator's spec.autoscaling.targets: flag, help, default.
+TARGET_FLAGS = (
+    ("target-utilization", "prefill busy seconds per second per worker to size for", 0.7),
+    ("target-kv-usage", "decode KV cache usage per worker to size for", 0.8),
+    (
+        "target-queue-share",
+        "TTFT over its objective adds prefill workers only when queueing is this share of it",
+        0.2,
+    ),
 )
 
 
@@ -427,6 +442,7 @@ class AutoscaleSettings:
     interval: float
     stabilization: float
     prefill_per_decode: tuple[float | None, float | None] = (None, None)  # (min, max)
+    targets: tuple[float, float, float] = (0.7, 0.8, 0.2)  # utilization, KV usage, queue share
 
 
 def _check_autoscale(
@@ -468,7 +484,24 @@ def _check_autoscale(
     if window < 0:
         raise _usage_error(f"--scale-down-stabilization: {window} must be >= 0")
     ratio = _check_ratio(args, bounds)
-    return AutoscaleSettings(bounds, ttft, tpot, percentile, interval, window, ratio)
+    targets = []
+    for (flag, _what, default), low_open in zip(TARGET_FLAGS, (True, True, False), strict=True):
+        value = getattr(args, flag.replace("-", "_"))
+        value = default if value is None else value
+        if not (0 < value <= 1 if low_open else 0 <= value <= 1):
+            interval = "(0, 1]" if low_open else "[0, 1]"
+            raise _usage_error(f"--{flag}: {value:g} must be in {interval}")
+        targets.append(value)
+    return AutoscaleSettings(
+        bounds,
+        ttft,
+        tpot,
+        percentile,
+        interval,
+        window,
+        ratio,
+        (targets[0], targets[1], targets[2]),
+    )
 
 
 def _check_ratio(
@@ -675,7 +708,7 @@ async def _up(
 def _local_autoscaler(
     stack: LocalStack, worker_args: list[str], log_dir: Path, settings: AutoscaleSettings
 ) -> LocalAutoscaler:
-    from splitserve_operator.autoscaler import Objectives, RatioBounds
+    from splitserve_operator.autoscaler import Objectives, RatioBounds, Targets
 
     from splitserve_workers.local_scaling import Bounds, LocalAutoscaler
 
@@ -691,6 +724,7 @@ def _local_autoscaler(
         settings.interval,
         settings.stabilization,
         ratio=RatioBounds(*settings.prefill_per_decode),
+        targets=Targets(*settings.targets),
         say=say,
     )
 

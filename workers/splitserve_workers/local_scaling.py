@@ -27,6 +27,7 @@ from splitserve_operator.autoscaler import (
     Objectives,
     PoolState,
     RatioBounds,
+    Targets,
     decide,
 )
 from splitserve_operator.prometheus import MetricsError
@@ -76,6 +77,7 @@ class LocalAutoscaler:
         interval: float,
         stabilization: float,
         ratio: RatioBounds | None = None,
+        targets: Targets | None = None,
         say: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -87,6 +89,7 @@ class LocalAutoscaler:
         self.interval = interval
         self.stabilization = stabilization
         self.ratio = ratio or RatioBounds()
+        self.targets = targets or Targets()
         self.window = signal_window(interval)
         self.scraper = DirectScraper(keep=self.window)
         self.histories: dict[str, History] = {}
@@ -193,6 +196,7 @@ class LocalAutoscaler:
             settle=self.window,
             source="the autoscaler",
             ratio=self.ratio,
+            targets=self.targets,
         )
         for name, decision in decisions.items():
             if decision.changes:
