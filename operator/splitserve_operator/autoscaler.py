@@ -98,18 +98,17 @@ def unreachable_ratio(
 ) -> str | None:
     """ "max" or "min" when that bound can never hold given each pool's (minReplicas,
     maxReplicas); "both" when each can but no whole replica counts meet both at once (min =
-    max = 0.4 with one prefill replica); None when some counts (or both pools at zero) do."""
+    max = 0.4 with one prefill replica, or only both pools at zero); None when some counts with
+    a replica in them do."""
     eps = 1e-9
     if ratio.high is not None and prefill[0] > ratio.high * decode[1] + eps:
         return "max"  # the fewest prefill replicas need more decode replicas than allowed
     if ratio.low is not None and prefill[1] < ratio.low * decode[0] - eps:
         return "min"
-    if prefill[0] == 0 and decode[0] == 0:
-        return None
     for p in range(prefill[0], prefill[1] + 1):
         d_lo = decode[0] if ratio.high is None else max(decode[0], math.ceil(p / ratio.high - eps))
         d_hi = decode[1] if not ratio.low else min(decode[1], math.floor(p / ratio.low + eps))
-        if d_lo <= d_hi:
+        if d_lo <= d_hi and p + d_hi > 0:  # both pools at zero serve nothing
             return None
     return "both"
 
@@ -164,6 +163,10 @@ class TpotModel:
 
     def explains(self, batch: float, tpot: float) -> bool:
         return abs(self.predict(batch) - tpot) <= TPOT_MODEL_MAX_ERROR * tpot
+
+    def through(self, batch: float, tpot: float) -> TpotModel:
+        """The same slope through today's point: predictions start from what is measured."""
+        return replace(self, alpha=max(0.0, tpot - self.beta * max(batch, 1.0)))
 
     def describe(self) -> str:
         return f"{_ms(self.alpha)} + {_ms(self.beta)} x batch, from {self.points} evaluations"
@@ -362,6 +365,18 @@ def recommend_prefill(
     )
 
 
+def usable_tpot(model: TpotModel | None, sig: Signals) -> TpotModel | None:
+    """The learned line, moved through today's (batch, TPOT), if it explains today's TPOT
+    within TPOT_MODEL_MAX_ERROR; None otherwise (the workload changed: longer contexts, another
+    model). The batch is what the points are: running sequences per replica."""
+    if model is None or sig.latency is None or not sig.reporting:
+        return None
+    batch = max(sig.running, sig.mean_running or 0.0) / sig.reporting
+    if not model.explains(batch, sig.latency):
+        return None
+    return model.through(batch, sig.latency)
+
+
 def recommend_decode(
     state: PoolState,
     sig: Signals,
@@ -377,8 +392,7 @@ def recommend_decode(
     # The sequences to place: the larger of now and the window's mean, so one quiet scrape
     # does not stand for the window whose TPOT was measured.
     load = max(sig.running, sig.mean_running or 0.0) + sig.waiting
-    if model is not None and (sig.latency is None or not model.explains(load / per, sig.latency)):
-        model = None  # the workload changed (longer contexts, another model): not this line
+    # model: usable_tpot's line (None: TPOT is taken to grow in proportion to the batch).
     up: list[tuple[float, str]] = []
     hopeless = ""
     if sig.latency is not None and sig.latency > obj.tpot_seconds * (1 + TOLERANCE):
@@ -386,13 +400,15 @@ def recommend_decode(
         if model is None:
             up.append((sig.latency / obj.tpot_seconds, late))
         elif (batch := model.batch_for(obj.tpot_seconds)) < 1 and (
-            model.smallest_batch <= TPOT_MODEL_SMALL_BATCH
+            load / per <= TPOT_MODEL_SMALL_BATCH
         ):
+            # Measured at a small batch already, not extrapolated to one.
             hopeless = (
-                f"; {late} even at one sequence per replica (TPOT = {model.describe()}): "
-                "more decode replicas would not help"
+                f"; {late} and one sequence per replica is predicted at "
+                f"{_ms(model.predict(1))} (TPOT = {model.describe()}): more decode replicas "
+                "would not help"
             )
-        elif batch < 1:  # an extrapolation to small batches never seen: do not trust it
+        elif batch < 1:  # an extrapolation to batches not running now: do not trust it
             up.append((sig.latency / obj.tpot_seconds, late))
         else:
             up.append(
@@ -430,12 +446,18 @@ def recommend_decode(
 
     how = f"learned TPOT = {model.describe()}" if model else "TPOT taken proportional to batch"
 
+    # Past the objective whatever the batch: fewer replicas are fine while they are predicted
+    # no slower than today (the fixed step time must not keep a pool large).
+    ceiling = obj.tpot_seconds
+    if hopeless and model is not None:
+        ceiling = max(ceiling, model.predict(load / max(n, 1)))
+
     def fits(m: int) -> bool:
         if m == 0:
             return _idle(sig)
         scale = per / m
         predicted = tpot_on(m)
-        if predicted is not None and predicted > obj.tpot_seconds:
+        if predicted is not None and predicted > ceiling + 1e-12:
             return False
         if kv * scale > kv_target:
             return False
@@ -469,6 +491,7 @@ class History:
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     since: float | None = None
     last_scale_up: float | None = None
+    last_change: float | None = None  # any change of replicas, up or down
     # decode: (sequences per replica, TPOT percentile) of recent evaluations, for fit_tpot
     tpot_points: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=TPOT_MODEL_POINTS)
@@ -604,7 +627,7 @@ def decide(
             recommended = recommend_prefill(state, sig, objectives, targets)
         else:
             # Fitted to earlier evaluations, then this one joins them.
-            model = fit_tpot(list(history.tpot_points))
+            model = usable_tpot(fit_tpot(list(history.tpot_points)), sig)
             recommended = recommend_decode(state, sig, objectives, targets, model)
             if model is not None:
                 inputs["tpotModel"] = {
@@ -612,8 +635,16 @@ def decide(
                     "betaSecondsPerSequence": round(model.beta, 6),
                     "evaluations": model.points,
                 }
-            if sig.latency is not None and sig.mean_running is not None and sig.reporting:
-                history.tpot_points.append((sig.mean_running / sig.reporting, sig.latency))
+            steady = (
+                not state.rolling_out
+                and state.replicas == state.ready == scraped
+                and (history.last_change is None or now - history.last_change >= settle)
+            )
+            if steady and sig.latency is not None and sig.mean_running is not None:
+                # A point is one window of one pool size: the window's batch and its TPOT.
+                batch = sig.mean_running / max(scraped, 1)
+                if batch >= 1:
+                    history.tpot_points.append((batch, sig.latency))
         want, verdict, reason = _from_zero(state, sig) or recommended
         urgency[pool] = want / max(state.replicas, 1)
         want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
@@ -669,6 +700,8 @@ def decide(
     for pool, d in decisions.items():
         if d.replicas > d.current:
             histories.setdefault(pool, History()).last_scale_up = now
+        if d.replicas != d.current:
+            histories.setdefault(pool, History()).last_change = now
     return decisions
 
 
@@ -737,6 +770,7 @@ def _within_ratio(
         return max(min(dec.current, dec.replicas), state.min_replicas)
 
     best: tuple[tuple[int, int, int], int, int] | None = None
+    waking = p0 + d0 > 0  # then (0, 0) is no answer: it would put both pools to sleep
     for p in range(floor_of(p_dec, sp), max(sp.max_replicas, p0) + 1):
         d_lo, d_hi = floor_of(d_dec, sd), max(sd.max_replicas, d0)
         if high is not None:
@@ -750,7 +784,7 @@ def _within_ratio(
         if d_lo > d_hi:
             continue
         d = min(max(d0, d_lo), d_hi)  # as close to decode's own decision as the bounds allow
-        if not holds(p, d):
+        if not holds(p, d) or (waking and p + d == 0):
             continue
         trimmed = max(p0 - p, 0) + max(d0 - d, 0)
         added = max(p - p0, 0) * max(gp, 1) + max(d - d0, 0) * max(gd, 1)
@@ -786,17 +820,17 @@ def _within_ratio(
             )
         elif n < dec.replicas:
             other_state = states[other]
-            limit = (
-                f"its maxReplicas {other_state.max_replicas}"
-                if other_n >= other_state.max_replicas
-                else f"all the gpuBudget {budget} allows"
-            )
+            if other_n >= other_state.max_replicas:
+                why = f"{other} can only reach {other_n}, its maxReplicas"
+            elif gpu_cap is not None:
+                why = f"{other} can only reach {other_n}, all the gpuBudget {budget} allows"
+            else:
+                why = f"no whole counts above it meet the bounds with {other} at {other_n}"
             out[pool] = replace(
                 dec,
                 replicas=n,
                 verdict=RATIO_LIMITED,
-                reason=f"{dec.reason}; limited to {n} by {what}: {other} can only reach "
-                f"{other_n}, {limit}",
+                reason=f"{dec.reason}; limited to {n} by {what}: {why}",
             )
     return out
 

@@ -57,7 +57,7 @@ class Operator:
                 return cached[1]
         try:
             found = self.kube.serves(group_version, plurals)
-        except KubeError as e:
+        except Exception as e:  # noqa: BLE001 - an error status or a transport failure alike
             # Discovery failing (a 5xx, a timeout) says nothing: keep the last answer.
             log.warning("cannot tell whether %s is served: %s", group_version, e)
             return bool(cached and cached[1])
@@ -103,19 +103,26 @@ class Operator:
             # to look on every resync. Before the apply: a mode change from HPA to KEDA must
             # drop the operator's HPA first (KEDA's admission webhook refuses a ScaledObject
             # for a Deployment another HPA scales).
+            # A failed delete does not hold the apply back; the handler is retried after it.
+            prune_error: KubeError | None = None
             for because, unwanted in unwanted_children(name, spec, self.config).items():
                 refs = [Ref(av, kind, namespace, child) for av, kind, child in unwanted]
                 try:
                     deleted = self.prune(refs, meta["uid"])
                 except KubeError as e:
-                    self.write_status(namespace, name, error=str(e))
-                    kopf.warn(body, reason="ApplyFailed", message=str(e))
-                    raise kopf.TemporaryError(str(e), delay=10) from e
+                    prune_error = prune_error or e
+                    continue
                 if deleted:
                     message = f"deleted {', '.join(deleted)}: {because}"
                     kopf.info(body, reason="Deleted", message=message)
         try:
-            outcome = apply_children(self.kube, objects, spec.autoscaling_mode)
+            # A spec change in mode HPA restarts a pool left at zero (by Builtin or KEDA before
+            # the change); on a resync a zero is someone's choice (it pauses the HPA).
+            outcome = apply_children(
+                self.kube, objects, spec.autoscaling_mode, wake_from_zero=why == "change"
+            )
+            if why == "change" and prune_error is not None:
+                raise prune_error
         except KubeError as e:
             self.write_status(namespace, name, error=str(e))
             kopf.warn(body, reason="ApplyFailed", message=str(e))

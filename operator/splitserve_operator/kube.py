@@ -160,11 +160,7 @@ class Kube:
 
     def serves(self, group_version: str, plurals: tuple[str, ...]) -> bool:
         """Discovery: does the cluster serve these resources (e.g. the Prometheus operator's)?"""
-        try:
-            doc = self.request("GET", f"/apis/{group_version}")
-        except KubeError as e:
-            if e.status == 404:
-                return False
-            raise  # the API server erring is no answer
+        # None (404): not served. Any other failure raises: the API server erring is no answer.
+        doc = self.request("GET", f"/apis/{group_version}")
         names = {r.get("name") for r in (doc or {}).get("resources", [])}
         return all(p in names for p in plurals)

@@ -5,9 +5,10 @@ so a deleted child is recreated and a hand-edited field is taken back.
 Replicas: the main field manager never keeps spec.replicas of a Deployment. A second manager
 (REPLICAS_FIELD_MANAGER) sets it: always in mode Off, only at creation in Builtin, HPA and KEDA,
 so the autoscaler's (or an HPA's) value is never overwritten and dropping the field from the
-main apply never resets it. One exception: in mode HPA a pool at zero (scaled there by Builtin
-or KEDA before the mode changed) restarts at spec.<pool>.replicas, since an HPA does not scale
-a Deployment up from zero."""
+main apply never resets it. One exception: on a spec change in mode HPA (`wake_from_zero`), a
+pool at zero (scaled there by Builtin or KEDA before the mode changed) restarts at
+spec.<pool>.replicas, since an HPA does not scale a Deployment up from zero; on a resync a zero
+stands (scaling an HPA's target to zero is how one pauses it)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ def changed(live: dict[str, Any], result: dict[str, Any]) -> bool:
     return content(live) != content(result)
 
 
-def apply_deployment(kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcome) -> None:
+def apply_deployment(
+    kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcome, wake_from_zero: bool = False
+) -> None:
     ref = Ref.of(obj)
     desired = int(obj["spec"]["replicas"])
     live = kube.get(ref)
@@ -74,7 +77,7 @@ def apply_deployment(kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcom
         result = kube.apply(without_replicas(obj), FIELD_MANAGER)
         live_replicas = int(result["spec"].get("replicas", -1))
         if (mode == "Off" and live_replicas != desired) or (
-            mode == "HPA" and live_replicas == 0 and desired > 0
+            mode == "HPA" and wake_from_zero and live_replicas == 0 and desired > 0
         ):
             result = kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
         if changed(live, result):
@@ -83,11 +86,13 @@ def apply_deployment(kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcom
     outcome.deployments[component] = result
 
 
-def apply_children(kube: Kube, objects: list[dict[str, Any]], mode: str) -> Outcome:
+def apply_children(
+    kube: Kube, objects: list[dict[str, Any]], mode: str, wake_from_zero: bool = False
+) -> Outcome:
     outcome = Outcome()
     for obj in objects:
         if obj["kind"] == "Deployment":
-            apply_deployment(kube, obj, mode, outcome)
+            apply_deployment(kube, obj, mode, outcome, wake_from_zero)
             continue
         ref = Ref.of(obj)
         live = kube.get(ref)

@@ -436,7 +436,7 @@ def test_ratio_trims_a_scale_up_the_other_pool_cannot_follow() -> None:
     assert (d["decode"].replicas, d["prefill"].replicas) == (2, 2)
     assert d["prefill"].verdict == RATIO_LIMITED
     assert (
-        "limited to 2 by prefillPerDecode.max 1: decode can only reach 2, its maxReplicas 2"
+        "limited to 2 by prefillPerDecode.max 1: decode can only reach 2, its maxReplicas"
         in d["prefill"].reason
     )
     # The GPU budget's room decides as well: decode could reach 8 but 2 GPUs per replica in a
@@ -565,26 +565,57 @@ def test_learned_tpot_sizes_a_scale_up_for_the_objective() -> None:
 
 
 def test_an_objective_no_batch_meets_adds_no_replicas() -> None:
-    # TPOT = 60 ms + 1 ms x batch against 50 ms: spreading sequences thinner cannot help.
-    sig = Signals(reporting=2, latency=0.07, kv_usage=0.3, running=20, mean_running=20)
-    hopeless = on_line(0.06, 0.001, range(4, 12))
+    # TPOT = 60 ms + 1 ms x batch against 50 ms, measured at 3 sequences per replica:
+    # spreading sequences thinner cannot help.
+    sig = Signals(reporting=2, latency=0.063, kv_usage=0.3, running=6, mean_running=6)
+    hopeless = on_line(0.06, 0.001, range(2, 10))
     d = run(pool("prefill"), pool("decode"), dsig=sig, histories=hopeless)["decode"]
     assert (d.verdict, d.replicas) == (STEADY, 2)
-    assert "even at one sequence per replica" in d.reason
+    assert "one sequence per replica is predicted at 61ms" in d.reason
     assert "more decode replicas would not help" in d.reason
+    # ...and the fixed step time does not keep a large pool large: 10 replicas carrying 6
+    # sequences go to 6, no slower than today.
+    ten = Signals(reporting=10, latency=0.061, kv_usage=0.01, running=6, mean_running=6)
+    d = run(
+        pool("prefill"), pool("decode", 10), dsig=ten, histories=on_line(0.06, 0.001, range(1, 9))
+    )["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 6)
     # KV usage still adds replicas: that is capacity, not latency.
     full = replace(sig, kv_usage=0.95)
     d = run(
-        pool("prefill"), pool("decode"), dsig=full, histories=on_line(0.06, 0.001, range(4, 12))
+        pool("prefill"), pool("decode"), dsig=full, histories=on_line(0.06, 0.001, range(2, 10))
     )
     assert d["decode"].verdict == SCALE_UP
-    # Learned only from big batches (20 and up), "not even one sequence" is an extrapolation
-    # it does not believe: it scales up in proportion, as without a model.
+    # At 30 sequences per replica, "not even one sequence" would be an extrapolation (and a
+    # stale line from another workload could say it): it scales up in proportion.
     big = Signals(reporting=2, latency=0.09, kv_usage=0.3, running=60, mean_running=60)
     d = run(
-        pool("prefill"), pool("decode"), dsig=big, histories=on_line(0.06, 0.001, range(20, 32))
+        pool("prefill"), pool("decode"), dsig=big, histories=on_line(0.06, 0.001, range(1, 40, 4))
     )
     assert (d["decode"].verdict, d["decode"].replicas) == (SCALE_UP, 4)
+
+
+def test_the_line_is_moved_through_today_and_tested_on_running_sequences() -> None:
+    # The line says 30 ms at batch 10, 37.5 ms is measured (within 25%): the slope is kept and
+    # the line moved through today's point, so 2 replicas (batch 20) predict 47.5 ms, over a
+    # 45 ms objective; the uncalibrated line would have said 40 ms and flapped.
+    sig = Signals(reporting=4, latency=0.0375, kv_usage=0.1, running=40, mean_running=40)
+    tight = Objectives(ttft_seconds=0.5, tpot_seconds=0.045, percentile=95)
+    states = {"prefill": pool("prefill"), "decode": pool("decode", 4)}
+    d = decide(
+        states, {"prefill": steady_prefill(2), "decode": sig}, tight,
+        on_line(0.02, 0.001, range(4, 12)), 0.0, WINDOW,
+    )["decode"]  # fmt: skip
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 3)
+    assert d.inputs["tpotModel"]["alphaSeconds"] == pytest.approx(0.0275)
+    # A saturated pool: 128 running at maxBatchSize 32, 80 waiting. The line is tested at the
+    # 32 sequences each replica runs (what its points are), not 52 with the waiting ones.
+    sat = Signals(reporting=4, latency=0.052, kv_usage=0.5, running=128, waiting=80,
+                  mean_running=128)  # fmt: skip
+    d = run(
+        pool("prefill"), pool("decode", 4), dsig=sat, histories=on_line(0.02, 0.001, range(4, 12))
+    )["decode"]
+    assert d.verdict == SCALE_UP and "tpotModel" in d.inputs
 
 
 def test_a_model_that_no_longer_explains_tpot_is_not_used() -> None:
@@ -597,7 +628,7 @@ def test_a_model_that_no_longer_explains_tpot_is_not_used() -> None:
     assert "learned" not in d.reason and "sequences per replica meet it" not in d.reason
 
 
-def test_every_decode_evaluation_adds_a_point() -> None:
+def test_every_steady_decode_evaluation_adds_a_point() -> None:
     histories: dict[str, History] = {}
     for running in (10, 20, 30):
         sig = Signals(reporting=2, latency=0.01 + 0.0005 * running / 2, running=running,
@@ -609,3 +640,30 @@ def test_every_decode_evaluation_adds_a_point() -> None:
         (15.0, pytest.approx(0.0175)),
     ]
     assert not histories["prefill"].tpot_points
+    # Not while pods start, roll out, or within a window of a change (the window's TPOT then
+    # belongs to another pool size), nor below one sequence per replica.
+    sig = Signals(reporting=2, latency=0.02, running=20, mean_running=20, kv_usage=0.1)
+    for decode in (pool("decode", 3, ready=2), replace(pool("decode"), rolling_out=True)):
+        run(pool("prefill"), decode, dsig=sig, histories=histories)
+    histories["decode"].last_change = 100.0
+    states = {"prefill": pool("prefill"), "decode": pool("decode")}
+    signals = {"prefill": steady_prefill(2), "decode": sig}
+    decide(states, signals, OBJ, histories, 130.0, WINDOW, settle=60.0)
+    quiet = replace(sig, running=1, mean_running=1)
+    run(pool("prefill"), pool("decode"), dsig=quiet, histories=histories, now=500.0)
+    assert len(histories["decode"].tpot_points) == 3
+
+
+def test_a_ratio_only_two_sleeping_pools_meet_is_refused_and_never_chosen() -> None:
+    # Both pools may sit at zero and min = max = 0.3: no counts with a replica meet it.
+    assert unreachable_ratio(RatioBounds(low=0.3, high=0.3), (0, 4), (0, 4)) == "both"
+    assert unreachable_ratio(RatioBounds(low=0.25, high=0.5), (0, 4), (0, 4)) is None
+    # A bound that cannot hold keeps a waking pool awake rather than choosing (0, 0).
+    zero = {"min_replicas": 0}
+    wake = Signals(reporting=0, request_rate=1.0)
+    d = run(
+        pool("prefill", 0, **zero), pool("decode", 0, **zero), wake, wake,
+        ratio=RatioBounds(low=0.3, high=0.3),
+    )  # fmt: skip
+    assert (d["prefill"].replicas, d["decode"].replicas) == (1, 1)
+    assert "cannot hold" in d["prefill"].reason

@@ -95,9 +95,14 @@ def test_hpa_mode_restarts_a_pool_left_at_zero() -> None:
     apply_children(kube, children("KEDA"), "KEDA")  # type: ignore[arg-type]
     assert kube.objects[DECODE]["spec"]["replicas"] == 0  # KEDA's zero stands in mode KEDA
     kube.calls.clear()
-    apply_children(kube, children("HPA", decode_replicas=3), "HPA")  # type: ignore[arg-type]
+    hpa = children("HPA", decode_replicas=3)
+    apply_children(kube, hpa, "HPA", wake_from_zero=True)  # type: ignore[arg-type]
     assert decode_calls(kube) == [(FIELD_MANAGER, None), (REPLICAS_FIELD_MANAGER, 3)]
     assert kube.objects[DECODE]["spec"]["replicas"] == 3
+    # A resync leaves a zero alone: scaling an HPA's target to zero pauses the HPA.
+    kube.objects[DECODE]["spec"]["replicas"] = 0
+    apply_children(kube, hpa, "HPA")  # type: ignore[arg-type]
+    assert kube.objects[DECODE]["spec"]["replicas"] == 0
 
 
 def test_off_mode_enforces_spec_replicas_through_the_replicas_manager() -> None:

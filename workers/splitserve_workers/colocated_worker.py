@@ -29,6 +29,9 @@ class ColocatedRole(pb_grpc.ColocatedServiceServicer):
     def busy(self) -> int:
         return self._active
 
+    def cut(self, reason: str) -> None:
+        self.loop.cut_all(reason)
+
     async def close(self) -> None:
         return None
 

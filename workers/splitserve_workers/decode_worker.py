@@ -82,6 +82,14 @@ class DecodeRole:
     def busy(self) -> int:
         return self._active + self.reservations.live
 
+    def cut(self, reason: str) -> None:
+        # Reservations whose KV is still coming (their Generate waits on them) fail with it
+        # too; generating requests end when the engine reports their abort.
+        self.reservations.fail_all(
+            Failure(grpc.StatusCode.UNAVAILABLE, reason, "shutdown"), time.monotonic()
+        )
+        self.loop.cut_all(reason)
+
     async def close(self) -> None:
         self._sweeper.cancel()
         self.reservations.fail_all(

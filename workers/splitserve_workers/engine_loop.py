@@ -45,6 +45,7 @@ class RequestStream:
     submitted_at: float = field(default_factory=time.monotonic)
     produced_at: float = 0.0  # when the engine thread returned this request's latest outputs
     finished: bool = False
+    cut_reason: str | None = None  # cut_all: its abort ends the stream with StreamCut
 
     async def next_batch(self) -> list[Any]:
         """Next non-empty list of TokenOutputs (raises EngineFailure if the engine broke)."""
@@ -153,15 +154,15 @@ class EngineLoop:
 
     def cut_all(self, reason: str) -> int:
         """On the event loop, at the drain deadline: every running request is aborted (its
-        blocks freed) and its stream ends with StreamCut(reason), so its caller hears why
-        rather than a bare cancelled call. Returns how many were cut."""
+        blocks freed), and when the engine reports the abort its stream ends with
+        StreamCut(reason), so its caller hears why rather than a bare cancelled call. Outputs
+        the engine produced before the abort are still delivered first, and a request that
+        finished on its own meanwhile ends as it did. Returns how many were cut."""
         with self._lock:
             streams = [s for s in self._streams.values() if not s.finished]
         for s in streams:
+            s.cut_reason = reason
             self.abort(s.request_id)
-            self._unregister(s.request_id)  # its abort output has no reader left
-            s.finished = True
-            s.queue.put_nowait(StreamCut(reason))
         return len(streams)
 
     def forget(self, request_id: str) -> None:
@@ -212,6 +213,12 @@ class EngineLoop:
             if any(o.finished for o in outs):
                 stream.finished = True
             stream.produced_at = produced_at
+            if stream.cut_reason is not None and any(o.finish_reason == "abort" for o in outs):
+                tokens = [o for o in outs if o.finish_reason != "abort" and o.token_id is not None]
+                if tokens:
+                    stream.queue.put_nowait(tokens)
+                stream.queue.put_nowait(StreamCut(stream.cut_reason))
+                continue
             stream.queue.put_nowait(outs)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -54,6 +54,9 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
     def busy(self) -> int:
         return self._active
 
+    def cut(self, reason: str) -> None:
+        self.loop.cut_all(reason)
+
     async def close(self) -> None:
         self.pool.close()
 

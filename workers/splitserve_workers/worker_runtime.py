@@ -235,6 +235,10 @@ class Role(Protocol):
         """Requests (and reservations) still in flight; draining waits for 0."""
         ...
 
+    def cut(self, reason: str) -> None:
+        """The drain deadline passed: end what is in flight, telling each caller `reason`."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -319,9 +323,7 @@ async def serve(settings: WorkerSettings, make_role: Any) -> int:
         log.warning("drain timeout: %d requests still in flight are cut", role.busy())
         # Each running stream ends with UNAVAILABLE and this reason (the router relays it to
         # the client), instead of the bare cancellation server.stop would give it.
-        worker.loop.cut_all(
-            f"draining: the worker's drain timeout ({settings.drain_timeout_s:g}s) passed"
-        )
+        role.cut(f"draining: the worker's drain timeout ({settings.drain_timeout_s:g}s) passed")
     await server.stop(grace=1.0)
     await role.close()
     worker.loop.stop()
