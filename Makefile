@@ -15,6 +15,7 @@ deps:  ## install system packages, the Python venv and the Go-built test plane (
 	bash hack/system-deps.sh
 	bash hack/venv.sh >/dev/null
 	bash hack/testplane/build.sh >/dev/null
+	bash hack/testplane/keda-crd.sh >/dev/null
 
 demo:  ## local mode: build a tiny model, serve it disaggregated, stream a few requests, stop
 	@V=$$(bash hack/venv.sh) && $$V/bin/splitserve up --demo
