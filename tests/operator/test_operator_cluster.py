@@ -4,6 +4,7 @@ ownership of replicas, schema rejection of bad resources, and 50 services at onc
 
 from __future__ import annotations
 
+import json
 import signal
 import urllib.request
 import uuid
@@ -20,6 +21,7 @@ from operator_process import (
     is_ready,
     wait_until,
 )
+from splitserve_operator.spec import parse_spec
 
 pytestmark = pytest.mark.cluster
 
@@ -656,6 +658,22 @@ def test_model_path_at_or_under_the_mount_is_accepted(
         check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "example", sorted(p.name for p in (REPO_ROOT / "manifests" / "examples").glob("*.yaml"))
+)
+def test_every_example_is_accepted_and_parses(
+    control_plane: Any, cluster_release: Any, namespace: str, example: str
+) -> None:
+    text = (REPO_ROOT / "manifests" / "examples" / example).read_text()
+    proc = control_plane.kubectl(
+        "create", "--dry-run=server", "-o", "json", "-n", namespace, "-f", "-", input=text,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    # What the API server stored (defaults filled in) is a spec the operator accepts.
+    parse_spec(json.loads(proc.stdout)["spec"])
 
 
 @pytest.mark.parametrize(
