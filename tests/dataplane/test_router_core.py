@@ -4,6 +4,7 @@ refusing up front a request no worker's cache can hold."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -415,3 +416,58 @@ async def test_prefill_worker_lost_while_waiting_for_decode_blocks_is_replaced()
         async for _ in flow.tokens():
             pass
     assert calls == ["b:1"]
+
+
+def _poll_lands(pool: WorkerPool) -> None:
+    """What a Load poll does when it ends: wakes whoever waits for the pool to change."""
+    pool._changed.set()
+    pool._changed = asyncio.Event()
+
+
+@pytest.mark.parametrize("role", ["prefill", "colocated"])
+async def test_a_pool_with_no_worker_is_waited_for(role: str) -> None:
+    # Scaled to zero (or every worker restarting): the request waits for a worker to appear
+    # instead of failing at once, and gets it when the next poll brings one.
+    calls: list[str] = []
+    pool = fake_pool(role, {})
+    decode = fake_pool("decode", {"d:1": (64, 64)}) if role == "prefill" else None
+    if decode is not None:
+        decode.workers["d:1"].stub = _FakeDecode(lambda: None)
+
+    async def wake() -> None:
+        await asyncio.sleep(0.3)
+        pool.workers.update(fake_pool(role, {"new:1": (64, 64)}).workers)
+        if role == "prefill":
+            pool.workers["new:1"].stub = _FakePrefill("new:1", calls)
+        else:
+            pool.workers["new:1"].stub = _FakeColocated("new:1", calls)
+        _poll_lands(pool)
+
+    waker = asyncio.create_task(wake())
+    req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=4), 0)
+    flow = Flow(req, FlowSettings(admission_timeout_seconds=10), **{role: pool}, decode=decode)
+    with pytest.raises(_Stop):
+        async for _ in flow.tokens():
+            pass
+    await waker
+    assert calls == ["new:1"]
+    # With none arriving, it gives up after the admission timeout and says so.
+    empty = Flow(req, FlowSettings(admission_timeout_seconds=0.2), **{role: fake_pool(role, {})},
+                 decode=decode)  # fmt: skip
+    with pytest.raises(FlowError) as info:
+        async for _ in empty.tokens():
+            pass
+    assert (info.value.status, info.value.code) == (503, "no_capacity")
+    assert info.value.message == f"no {role} worker became available within 0.2s"
+
+
+class _FakeColocated:
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def Complete(self, req: Any, **_: Any) -> Any:
+        self.calls.append(self.name)
+        raise _Stop
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        return pb.AbortResponse()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -457,3 +458,27 @@ async def test_a_worker_picked_before_it_left_discovery_can_still_be_called(
         assert report.total_blocks == 16
     finally:
         await pool.close()
+
+
+def test_a_router_for_pools_that_scale_to_zero_stays_ready_and_waits(
+    tiny_model: Path, launch_worker: Any
+) -> None:
+    # No worker answers at these addresses (a pool at zero). By default the router is not
+    # ready; with --ready-without-workers it is (so the requests that wake the pools reach it),
+    # and a request waits --admission-timeout for a worker before its 503.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    pools = ("--prefill", nobody, "--decode", nobody, "--admission-timeout", "1")
+    strict = launch_worker("router", router_args(tiny_model, *pools))
+    waiting = launch_worker("router", router_args(tiny_model, *pools, "--ready-without-workers"))
+    time.sleep(1.0)  # a few Load polls
+    r = httpx.get(f"http://127.0.0.1:{strict.port}/ready", timeout=5)
+    assert r.status_code == 503 and r.json()["pools"] == {"prefill": False, "decode": False}
+    base = f"http://127.0.0.1:{waiting.port}"
+    assert httpx.get(base + "/ready", timeout=5).status_code == 200
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "no_capacity"
+    assert error["message"] == "no prefill worker became available within 1s"

@@ -72,6 +72,8 @@ class RouterOptions:
     poll_interval: float = 0.5
     flow: FlowSettings = field(default_factory=FlowSettings)
     drain_timeout: float = 30.0
+    # /ready without a worker in some pool (one that may be scaled to zero).
+    ready_without_workers: bool = False
     # /debug/workers lists every worker's address and load; off unless asked for, since the
     # router's port is the one clients reach.
     debug_endpoints: bool = False
@@ -219,7 +221,9 @@ class Router:
 
     async def ready(self, _request: web.Request) -> web.Response:
         pools = {role: pool.ready() for role, pool in self.pools.items()}
-        ok = all(pools.values()) and not self.draining
+        # A pool that may be scaled to zero must not take the router out of its Service: the
+        # requests that wake the pool have to reach the router.
+        ok = (all(pools.values()) or self.options.ready_without_workers) and not self.draining
         return web.json_response(
             {"ready": ok, "draining": self.draining, "pools": pools}, status=200 if ok else 503
         )
@@ -651,6 +655,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds to let in-flight requests finish",
     )
     parser.add_argument(
+        "--ready-without-workers",
+        action="store_true",
+        default=None,
+        help="stay ready while a pool has no worker (pools that scale to zero: requests wait "
+        "up to --admission-timeout for one)",
+    )
+    parser.add_argument(
         "--debug-endpoints",
         action="store_true",
         help="serve /debug/workers (worker addresses, health and load) on the API port",
@@ -743,6 +754,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         poll_interval=args.poll_interval,
         flow=FlowSettings(admission_timeout_seconds=args.admission_timeout),
         drain_timeout=args.drain_timeout,
+        ready_without_workers=bool(args.ready_without_workers or rs.ready_without_workers),
         debug_endpoints=args.debug_endpoints,
     )
     port = args.port if args.port is not None else rs.port

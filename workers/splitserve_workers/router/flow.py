@@ -62,7 +62,9 @@ class FlowStats:
 @dataclass
 class FlowSettings:
     max_prefill_attempts: int = 3
-    admission_timeout_seconds: float = 30.0  # waiting for a decode worker with free blocks
+    # Waiting for a decode worker with free blocks, or for any worker of a pool that has none
+    # (one at zero replicas waking up, or all restarting).
+    admission_timeout_seconds: float = 30.0
     rpc_timeout_seconds: float = 5.0  # Reserve / Abort
     abort_timeout_seconds: float = 2.0
 
@@ -226,6 +228,18 @@ class Flow:
             param=param,
         )
 
+    async def _wait_for_workers(self, pool: WorkerPool, role: str, until: float) -> None:
+        """A pool with no worker to pick: wait for its next change, until `until`."""
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            raise FlowError(
+                503,
+                f"no {role} worker became available within "
+                f"{self.settings.admission_timeout_seconds:g}s",
+                code="no_capacity",
+            )
+        await pool.wait_for_change(min(remaining, 1.0))
+
     async def _reserve(self, worker_rid: str, source: serving_pb2.ModelSpec) -> Worker:
         """A decode worker holding blocks for the prompt; `source` is the ModelSpec of the
         prefill worker whose KV it will receive (the decode side checks compatibility)."""
@@ -318,6 +332,7 @@ class Flow:
         try:
             # ---- reserve + prefill, retried on another prefill worker ----
             last_error = ""
+            wait_until = time.monotonic() + self.settings.admission_timeout_seconds
             while True:
                 attempt = self.stats.prefill_attempts
                 if attempt >= self.settings.max_prefill_attempts:
@@ -328,7 +343,9 @@ class Flow:
                 if prefill is None and failed_prefill:
                     prefill = self.prefill.pick()  # every worker failed once: try again anyway
                 if prefill is None:
-                    raise FlowError(503, "no prefill worker is available", code="no_capacity")
+                    # None now (a pool at zero waking up, or every worker restarting): wait.
+                    await self._wait_for_workers(self.prefill, "prefill", wait_until)
+                    continue
                 decode = await self._reserve(worker_rid, prefill.model)
                 if not prefill.load.healthy or prefill.load.draining:
                     # Waiting for decode blocks can take up to the admission timeout; the
@@ -449,6 +466,7 @@ class Flow:
         call: Any = None
         done = False
         last_error = ""
+        wait_until = time.monotonic() + self.settings.admission_timeout_seconds
         try:
             while True:
                 if len(failed) >= self.settings.max_prefill_attempts:
@@ -463,7 +481,8 @@ class Flow:
                         )
                     ):
                         raise error
-                    raise FlowError(503, "no colocated worker is available", code="no_capacity")
+                    await self._wait_for_workers(self.colocated, "colocated", wait_until)
+                    continue
                 if (refusal := req.too_big_for(worker)) is not None:
                     too_small[worker.load.endpoint] = refusal
                     continue
