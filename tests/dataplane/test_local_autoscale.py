@@ -167,3 +167,67 @@ async def test_a_worker_that_fails_to_start_is_forgotten(tmp_path: Path) -> None
     with pytest.raises(RuntimeError, match="decode-9 did not start"):
         await stack.start("decode-9", ["decode", "--no-such-flag"])
     assert stack.children == [] and stack.exited == []
+
+
+def test_up_autoscale_lets_decode_sleep_and_wakes_it_for_a_request(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    # --min-decode 0: idle, the decode pool drains to zero; a request then waits in the router
+    # while the autoscaler, seeing it in flight, starts a decode worker, and is served.
+    proc = subprocess.Popen(
+        up_cmd(
+            "--model", str(tiny_model), "--port", "0", "--device", "cpu",
+            "--log-dir", str(tmp_path), "--autoscale", "--min-decode", "0", "--max-decode", "1",
+            "--max-prefill", "1", "--scale-interval", "0.5", "--scale-down-stabilization", "2",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env_with(),
+    )  # fmt: skip
+    lines: list[str] = []
+    changed = threading.Condition()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with changed:
+                lines.append(line)
+                changed.notify_all()
+        with changed:
+            changed.notify_all()
+
+    def wait_line(pattern: str) -> re.Match[str]:
+        regex, until = re.compile(pattern), time.monotonic() + WAIT_S
+        with changed:
+            while True:
+                found = next((m for line in lines if (m := regex.search(line))), None)
+                if found or proc.poll() is not None or time.monotonic() > until:
+                    break
+                changed.wait(1.0)
+        assert found, f"no line matching {pattern!r}:\n" + "".join(lines)
+        return found
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        port = int(wait_line(r"^READY role=up port=(\d+)")[1])
+        base = f"http://127.0.0.1:{port}"
+        wait_line(r"autoscale decode 1 -> 0: ")
+        wait_line(r"decode-\d+ drained and exited with 0 \(prefill 1, decode 0\)")
+        workers = json.loads((tmp_path / "workers.json").read_text())
+        assert workers["decode"] == []
+        assert httpx.get(base + "/ready", timeout=10).status_code == 200
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": "wake up", "max_tokens": 8, "ignore_eos": True},
+            timeout=WAIT_S,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        wait_line(r"autoscale decode 0 -> 1: requests are arriving and the pool has no replicas")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=WAIT_S) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

@@ -20,7 +20,7 @@ from splitserve_workers.cli import main
         (["--decode", "-1"], "--prefill/--decode"),
         (["--max-decode", "3"], "--max-decode needs --autoscale"),
         (["--autoscale", "--colocated", "1"], "--autoscale sizes prefill and decode pools"),
-        (["--autoscale", "--min-prefill", "0"], "--min-prefill: 0 must be >= 1"),
+        (["--autoscale", "--min-prefill", "-1"], "--min-prefill: -1 must be >= 0"),
         (["--autoscale", "--min-decode", "3", "--max-decode", "2"], "--max-decode: 2 is below"),
         (["--autoscale", "--decode", "5"], "--decode: 5 workers is outside [1, 4]"),
         (["--autoscale", "--slo-tpot", "fast"], "--slo-tpot: 'fast' is not a duration"),

@@ -380,7 +380,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     scaling.add_argument("--autoscale", action="store_true", help="scale the pools while up")
     for pool in ("prefill", "decode"):
-        scaling.add_argument(f"--min-{pool}", type=int, help=f"fewest {pool} workers (default 1)")
+        scaling.add_argument(
+            f"--min-{pool}",
+            type=int,
+            help=f"fewest {pool} workers, 0 to let the pool sleep when idle (default 1)",
+        )
         scaling.add_argument(f"--max-{pool}", type=int, help=f"most {pool} workers (default 4)")
     scaling.add_argument("--slo-ttft", help="TTFT objective, e.g. 500ms (default 500ms)")
     scaling.add_argument("--slo-tpot", help="TPOT objective, e.g. 50ms (default 50ms)")
@@ -462,8 +466,8 @@ def _check_autoscale(
     for pool, start in (("prefill", counts[0]), ("decode", counts[1])):
         low = 1 if getattr(args, f"min_{pool}") is None else getattr(args, f"min_{pool}")
         high = 4 if getattr(args, f"max_{pool}") is None else getattr(args, f"max_{pool}")
-        if low < 1:
-            raise _usage_error(f"--min-{pool}: {low} must be >= 1 (the router needs a worker)")
+        if low < 0:
+            raise _usage_error(f"--min-{pool}: {low} must be >= 0")
         if high < low:
             raise _usage_error(f"--max-{pool}: {high} is below --min-{pool} {low}")
         if not low <= start <= high:
@@ -653,6 +657,10 @@ async def _up(
                 scaler.adopt(pool, [c for c in workers if c.name.startswith(pool)])
             scaler.publish()
             router_args += ["--workers-file", str(scaler.workers_file)]
+            if any(low == 0 for low, _ in autoscale.bounds.values()):
+                # A pool may reach zero: the router stays ready, and a request waits while the
+                # autoscaler starts a worker for it (a cold start: torch import, model load).
+                router_args += ["--ready-without-workers", "--admission-timeout", "120"]
         elif n_colocated:
             router_args += ["--colocated", endpoints("colocated")]
         else:

@@ -17,9 +17,10 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from splitserve_operator.autoscaler import (
     Decision,
@@ -89,7 +90,7 @@ class LocalAutoscaler:
         self.interval = interval
         self.stabilization = stabilization
         self.ratio = ratio or RatioBounds()
-        self.targets = targets or Targets()
+        self.load_targets = targets or Targets()
         self.window = signal_window(interval)
         self.scraper = DirectScraper(keep=self.window)
         self.histories: dict[str, History] = {}
@@ -196,7 +197,7 @@ class LocalAutoscaler:
             settle=self.window,
             source="the autoscaler",
             ratio=self.ratio,
-            targets=self.targets,
+            targets=self.load_targets,
         )
         for name, decision in decisions.items():
             if decision.changes:
@@ -246,8 +247,8 @@ class LocalAutoscaler:
             for child in leaving:
                 self._spawn(self._retire(pool, child))
 
-    def _spawn(self, coro: object) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

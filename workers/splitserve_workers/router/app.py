@@ -862,8 +862,8 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None
     # requests on connections accepted just before a moment to be read and answered (503
     # draining, Connection: close). Closing right away dropped them unanswered: cleanup closes
     # every connection that has not delivered a request yet.
-    for site in list(runner.sites):
-        await site.stop()
+    for listening in list(runner.sites):
+        await listening.stop()
     linger_end = time.monotonic() + DRAIN_LINGER_S
     while time.monotonic() < linger_end or (router.in_flight and time.monotonic() < deadline):
         await asyncio.sleep(0.05)
