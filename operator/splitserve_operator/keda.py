@@ -66,8 +66,8 @@ def queries(namespace: str, service: str, spec: Spec) -> dict[str, str]:
         "decode-tpot-ms": f"1000 * {quantile('time_per_output_token_seconds')}",
         "decode-kv-usage": f'sum(splitserve_kv_cache_usage_ratio{{{sel},pool="decode"}})',
         "decode-running": f'sum(splitserve_requests_running{{{sel},pool="decode"}})',
-        # Requests arriving (rejected ones too: a pool at zero answers them 503 at once, so
-        # they are never in flight long enough to be scraped) or in flight.
+        # Requests in flight (those waiting for the pool are) or arriving (counting ones whose
+        # wait for the pool timed out).
         "wake": (
             f"(sum(rate(splitserve_requests_total{{{router}}}[{w}])) or vector(0)) + "
             f"(sum(splitserve_router_requests_in_flight{{{router}}}) or vector(0))"

@@ -25,10 +25,29 @@ RUN_AS_USER = 10001  # the worker image's USER (Dockerfile.worker); a test keeps
 MODEL_VOLUME = "model"
 
 
+# How long a request waits for a worker of a pool at zero (router --empty-pool-wait).
+EMPTY_POOL_WAIT_S = 300
+
+
+def may_sleep(spec: Spec) -> bool:
+    """Whether the autoscaler may take a pool to zero (an autoscaled minReplicas of 0). An
+    argument of the router's, not worker configuration: changing it restarts only the router."""
+    return spec.autoscaling_mode != "Off" and any(
+        (bounds := spec.pool(p).bounds) is not None and bounds.min_replicas == 0
+        for p in ("prefill", "decode")
+    )
+
+
 def container_args(component: str, spec: Spec) -> list[str]:
     if component == "router":
         port = spec.router.settings["port"]
-        return ["router", "--config", CONFIG_PATH_IN_POD, "--port", str(port)]
+        args = ["router", "--config", CONFIG_PATH_IN_POD, "--port", str(port)]
+        if may_sleep(spec):
+            # The router must stay in its Service while a pool is at zero (the requests that
+            # wake it have to reach it), and a request waits out the pool's cold start:
+            # autoscaler interval, pod scheduling, image pull, model load.
+            args += ["--ready-without-workers", "--empty-pool-wait", str(EMPTY_POOL_WAIT_S)]
+        return args
     port = PREFILL_PORT if component == "prefill" else DECODE_PORT
     return [
         component,

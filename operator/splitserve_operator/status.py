@@ -310,7 +310,14 @@ def compute_status(
     missing = [pool for pool in POOLS if deployments.get(pool) is None]
     rolling = [pool for pool in POOLS if not pool_settled(states[pool])]
     failures = {pool: s.failure for pool, s in states.items() if s.failure}
-    empty = [pool for pool in POOLS if states[pool].ready == 0]
+    # A pool the autoscaler took to zero (outside mode Off, desired 0) is asleep, not broken:
+    # the router waits for it to wake on the next request.
+    asleep = [
+        pool
+        for pool in POOLS
+        if spec.autoscaling_mode != "Off" and states[pool].desired == 0 and pool != "router"
+    ]
+    empty = [pool for pool in POOLS if states[pool].ready == 0 and pool not in asleep]
     pending = observed_generation < generation
 
     if error:
@@ -334,6 +341,12 @@ def compute_status(
         )
     elif empty:
         ready = (False, "NoReplicas", f"no ready replicas in: {', '.join(empty)}")
+    elif asleep:
+        ready = (
+            True,
+            "PoolsAsleep",
+            f"scaled to zero: {', '.join(asleep)} (they wake when requests reach the router)",
+        )
     else:
         ready = (True, "AllPoolsReady", "router, prefill and decode pools are ready")
 

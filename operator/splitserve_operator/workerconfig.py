@@ -49,12 +49,6 @@ def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str
             discovery="dns",
             prefill_service=f"{prefill_host}:{PREFILL_PORT}",
             decode_service=f"{decode_host}:{DECODE_PORT}",
-            # A pool the autoscaler may take to zero must not make the router unready.
-            ready_without_workers=spec.autoscaling_mode != "Off"
-            and any(
-                (bounds := spec.pool(p).bounds) is not None and bounds.min_replicas == 0
-                for p in ("prefill", "decode")
-            ),
         ),
         slo=SLOSettings(
             ttft_seconds=spec.ttft_seconds,

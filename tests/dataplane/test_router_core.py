@@ -5,6 +5,7 @@ refusing up front a request no worker's cache can hold."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import pytest
@@ -257,9 +258,22 @@ async def test_dns_discovery_resolves_a_records() -> None:
     d = DnsDiscovery({"prefill": "localhost:5000", "decode": "localhost:6000"})
     assert await d.endpoints("prefill") == ["127.0.0.1:5000"]
     assert await d.endpoints("colocated") == []
-    # A name that does not resolve keeps the last good answer (a DNS hiccup keeps the pool).
+    # A resolver failure (a DNS hiccup) keeps the last good answer...
+    loop = asyncio.get_running_loop()
+
+    async def hiccup(*_: Any, **__: Any) -> Any:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    real = loop.getaddrinfo
+    loop.getaddrinfo = hiccup  # type: ignore[method-assign]
+    try:
+        assert await d.endpoints("prefill") == ["127.0.0.1:5000"]
+    finally:
+        loop.getaddrinfo = real  # type: ignore[method-assign]
+    # ...but a name that does not exist is an empty pool: a headless Service with no ready pod
+    # (a pool at zero) has no record, and its old pod addresses may belong to others by now.
     d._services["prefill"] = "no-such-host.invalid:5000"
-    assert await d.endpoints("prefill") == ["127.0.0.1:5000"]
+    assert await d.endpoints("prefill") == []
 
 
 # ---- health from Load polls ---------------------------------------------------------------
@@ -424,36 +438,44 @@ def _poll_lands(pool: WorkerPool) -> None:
     pool._changed = asyncio.Event()
 
 
-@pytest.mark.parametrize("role", ["prefill", "colocated"])
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
 async def test_a_pool_with_no_worker_is_waited_for(role: str) -> None:
     # Scaled to zero (or every worker restarting): the request waits for a worker to appear
     # instead of failing at once, and gets it when the next poll brings one.
     calls: list[str] = []
     pool = fake_pool(role, {})
-    decode = fake_pool("decode", {"d:1": (64, 64)}) if role == "prefill" else None
-    if decode is not None:
-        decode.workers["d:1"].stub = _FakeDecode(lambda: None)
+    pools: dict[str, WorkerPool] = {role: pool}
+    if role == "prefill":
+        pools["decode"] = fake_pool("decode", {"d:1": (64, 64)})
+        pools["decode"].workers["d:1"].stub = _FakeDecode(lambda: None)
+    elif role == "decode":
+        pools["prefill"] = fake_pool("prefill", {"p:1": (64, 64)})
+        pools["prefill"].workers["p:1"].stub = _FakePrefill("p:1", calls)
 
     async def wake() -> None:
         await asyncio.sleep(0.3)
         pool.workers.update(fake_pool(role, {"new:1": (64, 64)}).workers)
-        if role == "prefill":
-            pool.workers["new:1"].stub = _FakePrefill("new:1", calls)
+        stubs = {"prefill": _FakePrefill, "colocated": _FakeColocated}
+        if role == "decode":
+            pool.workers["new:1"].stub = _FakeDecode(lambda: calls.append("reserved on new:1"))
         else:
-            pool.workers["new:1"].stub = _FakeColocated("new:1", calls)
+            pool.workers["new:1"].stub = stubs[role]("new:1", calls)
         _poll_lands(pool)
 
     waker = asyncio.create_task(wake())
     req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=4), 0)
-    flow = Flow(req, FlowSettings(admission_timeout_seconds=10), **{role: pool}, decode=decode)
+    # A short admission timeout (free decode blocks) does not bound the wait for an empty pool.
+    settings = FlowSettings(admission_timeout_seconds=0.1, empty_pool_wait_seconds=10)
+    flow = Flow(req, settings, **pools)  # type: ignore[arg-type]
     with pytest.raises(_Stop):
         async for _ in flow.tokens():
             pass
     await waker
-    assert calls == ["new:1"]
-    # With none arriving, it gives up after the admission timeout and says so.
-    empty = Flow(req, FlowSettings(admission_timeout_seconds=0.2), **{role: fake_pool(role, {})},
-                 decode=decode)  # fmt: skip
+    expected = {"decode": ["reserved on new:1", "p:1"]}.get(role, ["new:1"])
+    assert calls == expected
+    # With none arriving, it gives up after the wait and says so.
+    pools[role] = fake_pool(role, {})
+    empty = Flow(req, FlowSettings(empty_pool_wait_seconds=0.2), **pools)  # type: ignore[arg-type]
     with pytest.raises(FlowError) as info:
         async for _ in empty.tokens():
             pass

@@ -465,11 +465,11 @@ def test_a_router_for_pools_that_scale_to_zero_stays_ready_and_waits(
 ) -> None:
     # No worker answers at these addresses (a pool at zero). By default the router is not
     # ready; with --ready-without-workers it is (so the requests that wake the pools reach it),
-    # and a request waits --admission-timeout for a worker before its 503.
+    # and a request waits --empty-pool-wait for a worker before its 503.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         nobody = f"127.0.0.1:{s.getsockname()[1]}"
-    pools = ("--prefill", nobody, "--decode", nobody, "--admission-timeout", "1")
+    pools = ("--prefill", nobody, "--decode", nobody, "--empty-pool-wait", "1")
     strict = launch_worker("router", router_args(tiny_model, *pools))
     waiting = launch_worker("router", router_args(tiny_model, *pools, "--ready-without-workers"))
     time.sleep(1.0)  # a few Load polls

@@ -18,6 +18,7 @@ from splitserve_workers.cli import main
         (["--max-model-len", "0"], "max_model_len"),
         (["--poll-interval", "0"], "poll_interval"),
         (["--admission-timeout", "-1"], "admission_timeout"),
+        (["--empty-pool-wait", "-1"], "empty_pool_wait"),
         (["--drain-timeout", "-1"], "drain_timeout"),
     ],
 )

@@ -10,8 +10,8 @@ import pytest
 from splitserve_operator.children import desired_children, unwanted_children
 from splitserve_operator.config import OperatorConfig
 from splitserve_operator.names import CONFIG_HASH_ANNOTATION
+from splitserve_operator.podtemplate import container_args
 from splitserve_operator.spec import parse_spec
-from splitserve_operator.workerconfig import serving_config
 from splitserve_workers.config import CONFIG_PATH_IN_POD, ServingConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -155,25 +155,25 @@ def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
         0.04,
         99.0,
     )
-    assert config.router.ready_without_workers is False
 
 
 def test_a_pool_that_may_scale_to_zero_keeps_the_router_ready() -> None:
     # Otherwise the router leaves its Service when the pool is at zero, and the requests that
-    # would wake the pool never arrive.
-    def ready_without_workers(mode: str, decode_min: int) -> bool:
+    # would wake the pool never arrive; they wait out the cold start. Router arguments, not
+    # worker configuration: only the router restarts when this changes.
+    def router_args(mode: str, decode_min: int) -> list[str]:
         spec = copy.deepcopy(SPEC)
         spec["autoscaling"] = {"mode": mode}
         spec["prefill"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
         spec["decode"]["autoscaling"] = {"minReplicas": decode_min, "maxReplicas": 4}
         spec["decode"]["replicas"] = max(decode_min, 1)
-        config = serving_config(parse_spec(spec), "chat", "team-a", "cluster.local")
-        return config.router.ready_without_workers
+        return container_args("router", parse_spec(spec))
 
-    assert ready_without_workers("Builtin", 0) is True
-    assert ready_without_workers("KEDA", 0) is True
-    assert ready_without_workers("Builtin", 1) is False
-    assert ready_without_workers("Off", 0) is False
+    sleeping = ["--ready-without-workers", "--empty-pool-wait", "300"]
+    assert router_args("Builtin", 0)[-3:] == sleeping
+    assert router_args("KEDA", 0)[-3:] == sleeping
+    assert "--ready-without-workers" not in router_args("Builtin", 1)
+    assert "--ready-without-workers" not in router_args("Off", 0)
 
 
 @pytest.mark.parametrize(

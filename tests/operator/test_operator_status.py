@@ -370,3 +370,13 @@ def test_autoscaling_fields_parse() -> None:
     defaults = spec_in("Builtin")
     assert (defaults.autoscaling_interval, defaults.scale_down_stabilization) == (15.0, 300.0)
     assert (defaults.gpu_budget, defaults.prometheus_url) == (None, None)
+
+
+def test_a_pool_the_autoscaler_put_to_sleep_is_not_unready() -> None:
+    asleep = {**ALL_READY, "decode": deployment(0, 0)}
+    c = conds(status(asleep, spec=spec_in("Builtin")))["Ready"]
+    assert (c["status"], c["reason"]) == ("True", "PoolsAsleep")
+    assert c["message"] == "scaled to zero: decode (they wake when requests reach the router)"
+    # In mode Off nobody wakes it (and spec.decode.replicas asks for 3): not ready.
+    c = conds(status(asleep, spec=spec_in("Off")))["Ready"]
+    assert c["status"] == "False" and c["reason"] != "PoolsAsleep"

@@ -57,9 +57,6 @@ class RouterSettings:
     prefill_policy: str = "least_queued_tokens"
     decode_policy: str = "most_free_blocks"
     max_request_bytes: int = 4 << 20
-    # /ready stays true while a pool has no worker (it may be scaled to zero: requests then
-    # wait up to the admission timeout for one, and the autoscaler wakes the pool on them).
-    ready_without_workers: bool = False
 
 
 @dataclass
@@ -172,14 +169,13 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
     "int | None": (int, type(None)),
     "list[str]": (list,),
-    "bool": (bool,),
 }
 
 
 def _check_type(name: str, value: Any, annotation: str) -> None:
     """A YAML value of the wrong type fails here, naming the field, rather than deep inside."""
     allowed = _TYPES[annotation]
-    ok = isinstance(value, allowed) and (annotation == "bool") == isinstance(value, bool)
+    ok = isinstance(value, allowed) and not isinstance(value, bool)
     if ok and annotation == "list[str]":
         ok = all(isinstance(item, str) for item in value)
     if not ok:

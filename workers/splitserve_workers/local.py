@@ -660,7 +660,7 @@ async def _up(
             if any(low == 0 for low, _ in autoscale.bounds.values()):
                 # A pool may reach zero: the router stays ready, and a request waits while the
                 # autoscaler starts a worker for it (a cold start: torch import, model load).
-                router_args += ["--ready-without-workers", "--admission-timeout", "120"]
+                router_args += ["--ready-without-workers", "--empty-pool-wait", "120"]
         elif n_colocated:
             router_args += ["--colocated", endpoints("colocated")]
         else:

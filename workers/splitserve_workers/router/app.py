@@ -657,9 +657,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ready-without-workers",
         action="store_true",
-        default=None,
-        help="stay ready while a pool has no worker (pools that scale to zero: requests wait "
-        "up to --admission-timeout for one)",
+        help="stay ready while a pool has no worker (pools that scale to zero: the requests "
+        "that wake them must reach the router)",
+    )
+    parser.add_argument(
+        "--empty-pool-wait",
+        type=float,
+        help="seconds a request waits for a worker of a pool that has none (one waking from "
+        "zero, or every worker restarting) before its 503 (default: --admission-timeout)",
     )
     parser.add_argument(
         "--debug-endpoints",
@@ -678,6 +683,7 @@ def check_flags(args: argparse.Namespace) -> None:
         ("max_model_len", args.max_model_len, 1),
         ("poll_interval", args.poll_interval, 0.01),
         ("admission_timeout", args.admission_timeout, 0),
+        ("empty_pool_wait", args.empty_pool_wait, 0),
         ("drain_timeout", args.drain_timeout, 0),
     ]
     for name, value, minimum in minimums:
@@ -752,9 +758,12 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         colocated_policy=args.colocated_policy,
         max_request_bytes=args.max_request_bytes or rs.max_request_bytes,
         poll_interval=args.poll_interval,
-        flow=FlowSettings(admission_timeout_seconds=args.admission_timeout),
+        flow=FlowSettings(
+            admission_timeout_seconds=args.admission_timeout,
+            empty_pool_wait_seconds=args.empty_pool_wait,
+        ),
         drain_timeout=args.drain_timeout,
-        ready_without_workers=bool(args.ready_without_workers or rs.ready_without_workers),
+        ready_without_workers=args.ready_without_workers,
         debug_endpoints=args.debug_endpoints,
     )
     port = args.port if args.port is not None else rs.port

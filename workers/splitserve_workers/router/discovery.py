@@ -67,8 +67,10 @@ class StaticDiscovery(Discovery):
 
 
 class DnsDiscovery(Discovery):
-    """Resolves 'name:port' of a headless Service to one 'ip:port' per ready pod. A lookup that
-    fails keeps the last good answer, so a DNS hiccup does not empty the pool."""
+    """Resolves 'name:port' of a headless Service to one 'ip:port' per ready pod. A name that
+    does not resolve (a headless Service with no ready pod: a pool at zero) is an empty pool; a
+    lookup that fails otherwise (a resolver timeout) keeps the last good answer, so a DNS
+    hiccup does not empty the pool. Each change between answering and failing is logged."""
 
     def __init__(self, services: dict[str, str]) -> None:
         for role, service in services.items():
@@ -77,6 +79,7 @@ class DnsDiscovery(Discovery):
             split_endpoints(service)  # validates host:port
         self._services = {r: s for r, s in services.items() if s}
         self._last: dict[str, list[str]] = {}
+        self._failing: dict[str, str] = {}  # role -> the error last logged
 
     async def endpoints(self, role: str) -> list[str]:
         service = self._services.get(role)
@@ -88,8 +91,20 @@ class DnsDiscovery(Discovery):
             infos = await loop.getaddrinfo(
                 host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM
             )
-        except OSError:
+        except OSError as e:
+            errno = getattr(e, "errno", None)
+            empty = errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None))
+            if self._failing.get(role) != str(e):
+                self._failing[role] = str(e)
+                log.warning(
+                    "%s discovery: %s does not resolve (%s)%s", role, host, e,
+                    ": no ready worker" if empty else "; keeping the last answer",
+                )  # fmt: skip
+            if empty:
+                self._last[role] = []
             return list(self._last.get(role, []))
+        if self._failing.pop(role, None) is not None:
+            log.info("%s discovery: %s resolves again", role, host)
         found = sorted({f"{cast(str, info[4][0])}:{cast(int, info[4][1])}" for info in infos})
         self._last[role] = found
         return found

@@ -62,9 +62,17 @@ class FlowStats:
 @dataclass
 class FlowSettings:
     max_prefill_attempts: int = 3
-    # Waiting for a decode worker with free blocks, or for any worker of a pool that has none
-    # (one at zero replicas waking up, or all restarting).
-    admission_timeout_seconds: float = 30.0
+    admission_timeout_seconds: float = 30.0  # waiting for a decode worker with free blocks
+    # Waiting for any worker of a pool that has none (one at zero replicas waking up, or every
+    # worker restarting); None: the admission timeout.
+    empty_pool_wait_seconds: float | None = None
+
+    @property
+    def empty_pool_wait(self) -> float:
+        if self.empty_pool_wait_seconds is None:
+            return self.admission_timeout_seconds
+        return self.empty_pool_wait_seconds
+
     rpc_timeout_seconds: float = 5.0  # Reserve / Abort
     abort_timeout_seconds: float = 2.0
 
@@ -228,17 +236,23 @@ class Flow:
             param=param,
         )
 
-    async def _wait_for_workers(self, pool: WorkerPool, role: str, until: float) -> None:
-        """A pool with no worker to pick: wait for its next change, until `until`."""
-        remaining = until - time.monotonic()
-        if remaining <= 0:
+    async def _wait_for_workers(
+        self, pool: WorkerPool, role: str, until: float | None, last_error: str = ""
+    ) -> float:
+        """A pool with no worker to pick: wait for its next change. `until`: this wait's
+        deadline (None: the first time, which starts it); returns it."""
+        now = time.monotonic()
+        if until is None:
+            until = now + self.settings.empty_pool_wait
+        if until - now <= 0:
+            why = f" (last failure: {last_error})" if last_error else ""
             raise FlowError(
                 503,
-                f"no {role} worker became available within "
-                f"{self.settings.admission_timeout_seconds:g}s",
+                f"no {role} worker became available within {self.settings.empty_pool_wait:g}s{why}",
                 code="no_capacity",
             )
-        await pool.wait_for_change(min(remaining, 1.0))
+        await pool.wait_for_change(min(until - now, 1.0))
+        return until
 
     async def _reserve(self, worker_rid: str, source: serving_pb2.ModelSpec) -> Worker:
         """A decode worker holding blocks for the prompt; `source` is the ModelSpec of the
@@ -246,6 +260,7 @@ class Flow:
         assert self.decode is not None
         start = time.monotonic()
         deadline = start + self.settings.admission_timeout_seconds
+        empty_until: float | None = None
         last_reason = "no decode workers"
         while True:
             tried: set[str] = set()
@@ -305,6 +320,10 @@ class Flow:
                     f"no decode worker can take this prefill worker's KV ({last_reason})",
                     code="incompatible_workers",
                 )
+            if not tried:  # no decode worker at all (the pool at zero, or all restarting)
+                waited = await self._wait_for_workers(self.decode, "decode", empty_until)
+                empty_until = waited
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise FlowError(
@@ -332,7 +351,7 @@ class Flow:
         try:
             # ---- reserve + prefill, retried on another prefill worker ----
             last_error = ""
-            wait_until = time.monotonic() + self.settings.admission_timeout_seconds
+            wait_until: float | None = None  # set when the pool is first found empty
             while True:
                 attempt = self.stats.prefill_attempts
                 if attempt >= self.settings.max_prefill_attempts:
@@ -344,7 +363,9 @@ class Flow:
                     prefill = self.prefill.pick()  # every worker failed once: try again anyway
                 if prefill is None:
                     # None now (a pool at zero waking up, or every worker restarting): wait.
-                    await self._wait_for_workers(self.prefill, "prefill", wait_until)
+                    wait_until = await self._wait_for_workers(
+                        self.prefill, "prefill", wait_until, last_error
+                    )
                     continue
                 decode = await self._reserve(worker_rid, prefill.model)
                 if not prefill.load.healthy or prefill.load.draining:
@@ -466,7 +487,7 @@ class Flow:
         call: Any = None
         done = False
         last_error = ""
-        wait_until = time.monotonic() + self.settings.admission_timeout_seconds
+        wait_until: float | None = None
         try:
             while True:
                 if len(failed) >= self.settings.max_prefill_attempts:
@@ -481,7 +502,9 @@ class Flow:
                         )
                     ):
                         raise error
-                    await self._wait_for_workers(self.colocated, "colocated", wait_until)
+                    wait_until = await self._wait_for_workers(
+                        self.colocated, "colocated", wait_until
+                    )
                     continue
                 if (refusal := req.too_big_for(worker)) is not None:
                     too_small[worker.load.endpoint] = refusal
