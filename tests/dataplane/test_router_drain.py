@@ -210,10 +210,12 @@ def test_worker_drain_deadline_reaches_the_client_as_an_error_event(
         else:
             assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert cut >= 1
-    # Every cut stream hears why, generating or still waiting for its KV: the worker ends them
-    # with its reason instead of the server's bare "Cancelling all calls".
+    # The streams the worker was serving, generating or still waiting for their KV, hear why:
+    # it ends them with its reason instead of the server's bare "Cancelling all calls". (A
+    # Generate that arrives after the worker stopped listening gets a connection error.)
     why = "draining: the worker's drain timeout (0s) passed"
-    assert all(why in r for r in reasons), reasons
+    assert any(why in r for r in reasons), reasons
+    assert not any("Cancelling all calls" in r for r in reasons), reasons
     deadline = time.monotonic() + WAIT_S
     while load(prefill.endpoint, "prefill").free_blocks != initial and time.monotonic() < deadline:
         time.sleep(0.1)
