@@ -496,6 +496,7 @@ class History:
     tpot_points: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=TPOT_MODEL_POINTS)
     )
+    tpot_percentile: float | None = None  # the objectives' percentile the points measure
 
     def add(self, now: float, replicas: int, window: float) -> None:
         if self.since is None:
@@ -626,6 +627,11 @@ def decide(
         if pool == "prefill":
             recommended = recommend_prefill(state, sig, objectives, targets)
         else:
+            # A new pod template (another image, batch limit or cache) or another percentile
+            # makes another line: learn it afresh.
+            if state.rolling_out or history.tpot_percentile != objectives.percentile:
+                history.tpot_points.clear()
+                history.tpot_percentile = objectives.percentile
             # Fitted to earlier evaluations, then this one joins them.
             model = usable_tpot(fit_tpot(list(history.tpot_points)), sig)
             recommended = recommend_decode(state, sig, objectives, targets, model)

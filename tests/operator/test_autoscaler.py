@@ -513,6 +513,7 @@ def on_line(alpha: float, beta: float, batches: range) -> dict[str, History]:
     """Histories of an operator that watched a whole window, with decode evaluations whose TPOT
     lay on alpha + beta x batch."""
     histories = watched()
+    histories["decode"].tpot_percentile = OBJ.percentile
     for b in batches:
         histories["decode"].tpot_points.append((float(b), alpha + beta * b))
     return histories
@@ -640,11 +641,11 @@ def test_every_steady_decode_evaluation_adds_a_point() -> None:
         (15.0, pytest.approx(0.0175)),
     ]
     assert not histories["prefill"].tpot_points
-    # Not while pods start, roll out, or within a window of a change (the window's TPOT then
-    # belongs to another pool size), nor below one sequence per replica.
+    # Not while pods start, or within a window of a change (the window's TPOT then belongs to
+    # another pool size), nor below one sequence per replica (a rollout starts the line
+    # afresh: next test).
     sig = Signals(reporting=2, latency=0.02, running=20, mean_running=20, kv_usage=0.1)
-    for decode in (pool("decode", 3, ready=2), replace(pool("decode"), rolling_out=True)):
-        run(pool("prefill"), decode, dsig=sig, histories=histories)
+    run(pool("prefill"), pool("decode", 3, ready=2), dsig=sig, histories=histories)
     histories["decode"].last_change = 100.0
     states = {"prefill": pool("prefill"), "decode": pool("decode")}
     signals = {"prefill": steady_prefill(2), "decode": sig}
@@ -667,3 +668,17 @@ def test_a_ratio_only_two_sleeping_pools_meet_is_refused_and_never_chosen() -> N
     )  # fmt: skip
     assert (d["prefill"].replicas, d["decode"].replicas) == (1, 1)
     assert "cannot hold" in d["prefill"].reason
+
+
+def test_a_rollout_or_another_percentile_starts_the_line_afresh() -> None:
+    sig = Signals(reporting=4, latency=0.03, kv_usage=0.1, running=40, mean_running=40)
+    histories = on_line(0.02, 0.001, range(4, 12))
+    d = run(pool("prefill"), pool("decode", 4), dsig=sig, histories=histories)["decode"]
+    assert "tpotModel" in d.inputs and len(histories["decode"].tpot_points) == 9
+    rolling = replace(pool("decode", 4), rolling_out=True)
+    d = run(pool("prefill"), rolling, dsig=sig, histories=histories)["decode"]
+    assert "tpotModel" not in d.inputs and not histories["decode"].tpot_points
+    histories = on_line(0.02, 0.001, range(4, 12))
+    histories["decode"].tpot_percentile = 99.0  # points measured at p99, objective at p95
+    d = run(pool("prefill"), pool("decode", 4), dsig=sig, histories=histories)["decode"]
+    assert "tpotModel" not in d.inputs and len(histories["decode"].tpot_points) == 1
