@@ -26,6 +26,38 @@ pytestmark = pytest.mark.slow
 WAIT_S = 600.0
 
 
+class Output:
+    """The lines a running `splitserve up` prints, read on a thread; `wait_line` waits for one
+    matching a pattern (until `until`, or the process exits) and fails showing them all."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def wait_line(self, pattern: str, until: float | None = None) -> re.Match[str]:
+        regex = re.compile(pattern)
+        until = time.monotonic() + WAIT_S if until is None else until
+        with self.changed:
+            while True:
+                found = next((m for line in self.lines if (m := regex.search(line))), None)
+                if found or self.proc.poll() is not None or time.monotonic() > until:
+                    break
+                self.changed.wait(1.0)
+        assert found, f"no line matching {pattern!r}:\n" + "".join(self.lines)
+        return found
+
+
 def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         up_cmd(
@@ -60,34 +92,13 @@ def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_pat
         text=True,
         env=env_with(),
     )
-    lines: list[str] = []
-    changed = threading.Condition()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            with changed:
-                lines.append(line)
-                changed.notify_all()
-        with changed:
-            changed.notify_all()
-
-    def wait_line(pattern: str, until: float) -> re.Match[str]:
-        regex = re.compile(pattern)
-        with changed:
-            while True:
-                found = next((m for line in lines if (m := regex.search(line))), None)
-                if found or proc.poll() is not None or time.monotonic() > until:
-                    break
-                changed.wait(1.0)
-        assert found, f"no line matching {pattern!r}:\n" + "".join(lines)
-        return found
+    out = Output(proc)
+    lines, wait_line = out.lines, out.wait_line
 
     def published() -> dict[str, list[str]]:
         data: dict[str, list[str]] = json.loads((tmp_path / "workers.json").read_text())
         return data
 
-    threading.Thread(target=pump, daemon=True).start()
     try:
         port = int(wait_line(r"^READY role=up port=(\d+)", time.monotonic() + WAIT_S)[1])
         base = f"http://127.0.0.1:{port}"
@@ -185,30 +196,8 @@ def test_up_autoscale_lets_decode_sleep_and_wakes_it_for_a_request(
         text=True,
         env=env_with(),
     )  # fmt: skip
-    lines: list[str] = []
-    changed = threading.Condition()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            with changed:
-                lines.append(line)
-                changed.notify_all()
-        with changed:
-            changed.notify_all()
-
-    def wait_line(pattern: str) -> re.Match[str]:
-        regex, until = re.compile(pattern), time.monotonic() + WAIT_S
-        with changed:
-            while True:
-                found = next((m for line in lines if (m := regex.search(line))), None)
-                if found or proc.poll() is not None or time.monotonic() > until:
-                    break
-                changed.wait(1.0)
-        assert found, f"no line matching {pattern!r}:\n" + "".join(lines)
-        return found
-
-    threading.Thread(target=pump, daemon=True).start()
+    out = Output(proc)
+    lines, wait_line = out.lines, out.wait_line
     try:
         port = int(wait_line(r"^READY role=up port=(\d+)")[1])
         base = f"http://127.0.0.1:{port}"
