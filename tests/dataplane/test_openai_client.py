@@ -146,6 +146,42 @@ def test_streaming_completion_matches_engine(stack: dict[str, Any], engine: Any)
     assert 1 <= usage.completion_tokens <= 24
 
 
+def _sse_events(stack: dict[str, Any], path: str, body: dict[str, Any]) -> list[Any]:
+    """The parsed `data:` events of one streamed request, `[DONE]` as the string."""
+    events: list[Any] = []
+    with httpx.stream("POST", stack["base"] + path, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_usage_is_null_until_the_usage_chunk(stack: dict[str, Any], path: str) -> None:
+    body: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "stream": True, "ignore_eos": True}
+    body |= (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
+    events = _sse_events(stack, path, {**body, "stream_options": {"include_usage": True}})
+    *chunks, last, done = events
+    assert done == "[DONE]"
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    # OpenAI: every other chunk has the key, with null.
+    assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
+    # Without stream_options the key is absent.
+    plain = _sse_events(stack, path, body)
+    assert all("usage" not in c for c in plain[:-1])
+    # continuous_usage_stats: running totals on every chunk, ending at the usage chunk's.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *chunks, last, _ = _sse_events(stack, path, {**body, "stream_options": options})
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1
+    assert counts[-1] == last["usage"]["completion_tokens"] == 6
+    assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in chunks)
+
+
 def test_streaming_chat_matches_engine(stack: dict[str, Any], engine: Any) -> None:
     messages = [
         {"role": "system", "content": "You are terse."},

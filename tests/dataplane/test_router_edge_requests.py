@@ -8,6 +8,7 @@ run the real aiohttp app in-process without workers: none of them reaches a work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import logging
@@ -40,6 +41,20 @@ async def client(tiny_model: Path) -> AsyncIterator[TestClient]:
         yield c
 
 
+@contextlib.asynccontextmanager
+async def router_runner(tiny_model: Path) -> AsyncIterator[int]:
+    """The router's own runner (what `splitserve router` serves with) on a real socket; its
+    port."""
+    runner = AppRunner(router_on_nothing(tiny_model).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
 async def raw_exchange(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
     """Send `request` as-is on a fresh connection; (status, headers, body) of the answer, read
     until the server closes the connection."""
@@ -68,13 +83,7 @@ async def raw_exchange(port: int, request: bytes) -> tuple[int, dict[str, str], 
 async def test_http_refused_before_routing_gets_a_json_error(
     tiny_model: Path, case: str, request_bytes: bytes, words: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The router's own runner (what `splitserve router` serves with), on a real socket.
-    runner = AppRunner(router_on_nothing(tiny_model).app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
+    async with router_runner(tiny_model) as port:
         status, headers, body = await raw_exchange(port, request_bytes)
         assert status == 400, (case, body)
         assert headers["content-type"].startswith("application/json"), headers
@@ -88,8 +97,6 @@ async def test_http_refused_before_routing_gets_a_json_error(
             port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         )
         assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny"
-    finally:
-        await runner.cleanup()
 
 
 async def test_models_retrieve_by_id(client: TestClient) -> None:
@@ -183,3 +190,65 @@ async def test_lone_surrogate_over_http_is_a_400(client: TestClient) -> None:
         r = await client.post("/v1/completions", data=raw, headers=headers)
         assert r.status == 400, await r.text()
         assert (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_405_names_the_allowed_methods(client: TestClient) -> None:
+    r = await client.get("/v1/completions")
+    assert r.status == 405
+    assert r.headers["Allow"] == "POST"  # RFC 9110: a 405 lists what the resource accepts
+    assert r.headers["Content-Type"].startswith("application/json")
+    assert (await r.json())["error"]["code"] == "method_not_allowed"
+
+
+async def test_undecodable_body_is_answered_without_an_error_log(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # aiohttp meets the payload error a second time when it drains the body after the handler;
+    # through the router's own runner that is an INFO line, not "Unhandled exception".
+    async with router_runner(tiny_model) as port:
+        body = b"not gzip at all" * 100
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(body)
+        ) + body
+        with caplog.at_level(logging.INFO):
+            status, _, answer = await raw_exchange(port, request)
+        assert status == 400, answer
+        assert json.loads(answer)["error"]["code"] == "invalid_body"
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [], [r.getMessage() for r in errors]
+        assert any("could not be read" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("user", 12), ("service_tier", ["auto"]), ("store", "yes"), ("metadata", {"k": 1})],
+)
+def test_ignored_fields_are_still_type_checked(name: str, value: object) -> None:
+    with pytest.raises(api.APIError) as err:
+        api.parse_completion({"prompt": "x", name: value})
+    assert err.value.status == 400 and err.value.param == name
+    assert err.value.code == "invalid_type"
+
+
+def test_ignored_fields_of_the_right_type_are_accepted() -> None:
+    body = {"user": "u-1", "service_tier": "auto", "store": False, "metadata": {"team": "a"}}
+    req = api.parse_chat({"messages": [{"role": "user", "content": "x"}], **body}, None)
+    assert req.kind == "chat"
+
+
+async def test_long_prompt_is_tokenized_off_the_event_loop(client: TestClient) -> None:
+    # Megabytes of prompt take seconds to tokenize. Done on the event loop, nothing else would
+    # be answered meanwhile; on the tokenizer threads, /health keeps answering while the long
+    # prompt is tokenized (and then refused for the context limit).
+    words = " ".join(f"w{i % 997}x{i % 13}" for i in range(350_000))  # ~3 MB
+    big = asyncio.create_task(client.post("/v1/completions", json={"prompt": words}))
+    answered_meanwhile = 0
+    while not big.done():
+        r = await client.get("/health")
+        assert r.status == 200
+        answered_meanwhile += 1
+    r = await big
+    assert r.status == 400
+    assert (await r.json())["error"]["code"] == "context_length_exceeded"
+    assert answered_meanwhile >= 5, answered_meanwhile

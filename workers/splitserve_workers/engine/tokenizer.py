@@ -74,7 +74,10 @@ class Tokenizer:
         return value if isinstance(value, str) else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, not encode: only the batch call releases the GIL while the Rust code
+        # runs, so a long prompt tokenized on a thread does not stall the caller's event loop.
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Model vocabularies are often padded past the tokenizer's; such ids have no text.

@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
@@ -99,6 +100,9 @@ def load_tokenizer(model_dir: str) -> Any:
     return Tokenizer(model_dir)
 
 
+_BODY_HEADERS = ("content-type", "content-length")
+
+
 class Router:
     def __init__(self, options: RouterOptions, tokenizer: Any) -> None:
         self.options = options
@@ -129,6 +133,9 @@ class Router:
         self.in_flight = 0
         self.draining = False
         self.runs: set[_Run] = set()  # requests generating now (what the drain deadline cuts)
+        # Prompts are tokenized (and chat templates rendered) here; two threads, so a burst of
+        # long prompts queues instead of taking every core from the event loop.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
         # Model vocabularies are often padded past the tokenizer's: the model's size decides.
         self.vocab_size = options.vocab_size or getattr(tokenizer, "vocab_size", None)
@@ -162,6 +169,7 @@ class Router:
         await finish_aborts()  # over the channels about to close: cut requests free their blocks
         for pool in self.pools.values():
             await pool.close()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -182,7 +190,9 @@ class Router:
                 raise
             code = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
             err = api.APIError(e.status, e.reason, code=code)
-            return web.json_response(err.body(), status=e.status)
+            # Keeps what the exception carries for the client, e.g. a 405's `Allow`.
+            headers = {k: v for k, v in e.headers.items() if k.lower() not in _BODY_HEADERS}
+            return web.json_response(err.body(), status=e.status, headers=headers)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # a bug must still answer in the API's shape
@@ -342,7 +352,11 @@ class Router:
             )
             if req.model:
                 self._check_model(req.model)
-            prompt_ids, prompt_text = self._prompt_ids(req)
+            # Off the event loop: a prompt of megabytes takes seconds to tokenize, and every
+            # other stream, /health and /ready would wait for it.
+            prompt_ids, prompt_text = await asyncio.get_running_loop().run_in_executor(
+                self.tokenize_pool, self._prompt_ids, req
+            )
             max_tokens = self._check_length(req, len(prompt_ids))
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             sampling = serving_pb2.SamplingParams(
@@ -501,8 +515,14 @@ class _Run:
             delta: dict[str, Any] = {"content": text} if text or not reason else {}
             if first:
                 delta = {"role": "assistant", "content": text}
-            return api.chat_chunk(self.rid, self.model, self.created, delta, reason)
-        return api.completion_chunk(self.rid, self.model, self.created, text, reason)
+            chunk = api.chat_chunk(self.rid, self.model, self.created, delta, reason)
+        else:
+            chunk = api.completion_chunk(self.rid, self.model, self.created, text, reason)
+        if self.req.include_usage:
+            # OpenAI: every chunk before the usage chunk carries `usage: null`; with
+            # continuous_usage_stats, the totals so far.
+            chunk["usage"] = self.usage() if self.req.continuous_usage else None
+        return chunk
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         chunks = self._chunks()
@@ -811,6 +831,16 @@ class _OpenAIErrorHandler(RequestHandler):
         response = web.json_response(err.body(), status=status)
         response.force_close()
         return response
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # A body that fails its Content-Encoding was already answered (400 `invalid_body`);
+        # aiohttp meets the same error again when it drains the rest of the body after the
+        # handler. That is the client's fault, not an "Unhandled exception" with a traceback.
+        exc = kw.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError):
+            log.info("request body from a client could not be read: %s", " ".join(str(exc).split()))
+            return
+        super().log_exception(*args, **kw)
 
 
 class _OpenAIErrorServer(web.Server):

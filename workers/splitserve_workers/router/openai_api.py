@@ -73,6 +73,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     priority: str = "interactive"
     echo: bool = False
 
@@ -186,8 +187,23 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
-# Accepted and ignored: they do not change what is generated.
+# Accepted and ignored: they do not change what is generated. Still type-checked, as OpenAI
+# does, so a client bug shows here and not on the day it talks to another server.
 _IGNORED = ("user", "metadata", "store", "service_tier")
+
+
+def _check_ignored(body: dict[str, Any]) -> None:
+    for name in ("user", "service_tier"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _wrong_type(name, "a string", value)
+    _bool(body, "store")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _wrong_type("metadata", "an object of string values", metadata)
+
 
 _COMMON = {
     "model",
@@ -320,6 +336,10 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
                 code="unknown_parameter",
             )
         req.include_usage = bool(_bool(options, "include_usage"))
+        # vLLM's extension: running totals on every chunk (only with include_usage, as there).
+        continuous = bool(_bool(options, "continuous_usage_stats"))
+        req.continuous_usage = req.include_usage and continuous
+    _check_ignored(body)
     priority = body.get("priority")
     param = "priority"
     if priority is None and header_priority is not None:
