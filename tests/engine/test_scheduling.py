@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from splitserve_workers.engine import LLMEngine, Priority, SamplingParams, TokenOutput
+from splitserve_workers.engine.sampling import GREEDY_BELOW
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -152,6 +153,20 @@ def test_top_k_one_and_tiny_top_p_are_greedy(
         SamplingParams(temperature=2.0, top_p=1e-6, max_tokens=8, ignore_eos=True),
     ):
         assert engine.generate([p], params)[0] == greedy
+
+
+def test_vanishing_temperature_is_greedy_and_spares_the_batch(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # 1e-40 is an accepted temperature (it survives the proto's float32 as a subnormal);
+    # dividing logits by it gave inf, NaN probabilities, and "error" for the whole batch.
+    engine = make_engine()
+    prompts = [prompt_ids(engine, 10, salt=i) for i in range(2)]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = engine.generate(prompts, greedy)
+    tiny = SamplingParams(temperature=1e-40, seed=7, max_tokens=6, ignore_eos=True)
+    assert engine.generate(prompts, [greedy, tiny]) == expected
+    assert SamplingParams(temperature=GREEDY_BELOW).greedy is False
 
 
 def test_logprobs(

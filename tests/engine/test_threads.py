@@ -3,11 +3,14 @@ reserve, import, start and release."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 from splitserve_workers.engine import LLMEngine, SamplingParams, TokenOutput
+from splitserve_workers.engine_loop import EngineLoop
 
 
 def test_concurrent_callers_with_one_step_thread(
@@ -74,3 +77,40 @@ def test_concurrent_callers_with_one_step_thread(
             assert [o.token_id for o in outs] == expected[rid]
     assert {rid for rid in prompts if not rid.endswith("3")} <= set(outputs)
     assert engine.stats().free_blocks == 64
+
+
+async def test_a_loop_that_can_schedule_nothing_waits_instead_of_spinning(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # A decode worker whose blocks are all reserved for transfers still in flight: the waiting
+    # request cannot start until a reservation is released. The loop used to call step() in a
+    # tight loop meanwhile (~10^5 calls a second), burning a core on the engine lock.
+    engine = make_engine(block_size=4, num_kv_blocks=8)
+    assert engine.reserve("holder", 8 * 4 - 1)  # every block (prompt + first token)
+    steps = 0
+    step = engine.step
+
+    def counting_step() -> list[TokenOutput]:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counting_step  # type: ignore[method-assign]
+    loop = EngineLoop(engine, idle_wait_s=0.05)
+    loop.start()
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        stream = loop.submit("r", prompt_ids(engine, 5), params)
+        started = time.monotonic()
+        await asyncio.sleep(0.5)
+        elapsed = time.monotonic() - started
+        # At most one step per idle_wait_s while stalled (waits only get longer on a busy box).
+        assert 1 <= steps <= elapsed / loop.idle_wait_s + 3, (steps, elapsed)
+        engine.release("holder")
+        loop.wake()
+        tokens: list[int] = []
+        while len(tokens) < 3:
+            tokens += [o.token_id for o in await stream.next_batch() if o.token_id is not None]
+        assert len(tokens) == 3
+    finally:
+        loop.stop()

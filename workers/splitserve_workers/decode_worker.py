@@ -103,6 +103,7 @@ class DecodeRole:
             self.engine.release(request_id)
         except Exception:  # noqa: BLE001 - already gone is fine; log anything else
             log.exception("release %s", request_id)
+        self.loop.wake()  # its blocks may be what a waiting request needs
 
     async def _sweep(self) -> None:
         period = min(0.25, self.reservations.lease_s / 4)

@@ -170,7 +170,12 @@ class EngineLoop:
         self._unregister(request_id)
 
     # ---- the step thread ----
+    def wake(self) -> None:
+        """Step again now: capacity was freed outside submit/abort (a released reservation)."""
+        self._work.set()
+
     def _run(self) -> None:
+        stalled = False
         while not self._stopping.is_set():
             if not self.engine.has_unfinished():
                 # Idle: sleep until a request arrives. One step after a wake-up even if
@@ -178,12 +183,19 @@ class EngineLoop:
                 if not self._work.wait(self.idle_wait_s):
                     continue
                 self._work.clear()
+            elif stalled:
+                # Work waits but the last step could schedule none of it (reservations hold the
+                # blocks it needs): wait for a change instead of spinning on the engine lock
+                # the change itself has to take. Re-checked every idle_wait_s regardless.
+                self._work.wait(self.idle_wait_s)
+                self._work.clear()
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - report to every request, keep serving
                 log.exception("engine step failed")
                 self._fail_all(EngineFailure(f"engine step failed: {e}"))
                 continue
+            stalled = not outputs and self.engine.stats().batch_size == 0
             if outputs:
                 self._deliver_threadsafe(outputs)
             if self.on_iteration is not None:

@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampler does)
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = off
     seed: int | None = None
@@ -40,7 +43,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below GREEDY_BELOW the sampled distribution is argmax anyway, and dividing logits by
+        # such a temperature overflows to inf (NaN probabilities fail the whole batch).
+        return self.temperature < GREEDY_BELOW
 
 
 def _sample_row(
