@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampler does)
 
 
