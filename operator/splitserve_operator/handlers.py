@@ -25,7 +25,7 @@ from .config import OperatorConfig
 from .keda import SCALED_OBJECT, SCALED_OBJECTS_PLURAL, keda_hpa_name, keda_problem
 from .kube import Kube, KubeError, Ref
 from .names import MANAGED_BY, child_name, selector_labels
-from .reconcile import apply_children
+from .reconcile import ChildConflict, apply_children
 from .scaling import Scaler, ScalerState
 from .spec import POOLS, Spec, SpecError, parse_spec
 from .status import compute_status, invalid_status, now_rfc3339, pod_trouble
@@ -35,6 +35,10 @@ MONITORING_PLURALS = ("servicemonitors", "podmonitors")
 MONITORING_TTL_SECONDS = 60.0
 # Threads for autoscaler evaluations (each a few Prometheus queries and API calls).
 AUTOSCALER_THREADS = 4
+# The same Warning (reason and message) for the same LLMService is posted again only after
+# this long: a lasting fault retried every few seconds, or met again at every resync, would
+# otherwise add an Event each time (kopf posts a new Event per call, never a count).
+WARNING_REPEAT_SECONDS = 600.0
 
 log = logging.getLogger("splitserve.operator")
 
@@ -48,6 +52,20 @@ class Operator:
         self._served: dict[str, tuple[float, bool]] = {}
         self._lock = threading.Lock()
         self._reconciling: dict[tuple[str, str], threading.RLock] = {}
+        self._warned: dict[tuple[str, str, str], tuple[str, float]] = {}
+
+    def warn(self, body: kopf.Body, reason: str, message: str) -> None:
+        """A Warning Event, unless this LLMService got the same one in the last
+        WARNING_REPEAT_SECONDS (status carries the fault meanwhile)."""
+        meta = body.meta
+        key = (meta["namespace"], meta["name"], reason)
+        now = time.monotonic()
+        with self._lock:
+            last = self._warned.get(key)
+            if last is not None and last[0] == message and now - last[1] < WARNING_REPEAT_SECONDS:
+                return
+            self._warned[key] = (message, now)
+        kopf.warn(body, reason=reason, message=message)
 
     def _serves(self, group_version: str, plurals: tuple[str, ...]) -> bool:
         """Whether the cluster serves these kinds (a discovery answer cached for a minute)."""
@@ -92,7 +110,7 @@ class Operator:
             spec = parse_spec(dict(body.spec))
         except SpecError as e:
             self.write_status(namespace, name, invalid=str(e))
-            kopf.warn(body, reason="InvalidSpec", message=str(e))
+            self.warn(body, "InvalidSpec", str(e))
             raise kopf.PermanentError(str(e)) from e
         keda = spec.autoscaling_mode == "KEDA" and self.keda_available()
         objects = desired_children(
@@ -123,16 +141,30 @@ class Operator:
             )
             if why == "change" and prune_error is not None:
                 raise prune_error
+        except ChildConflict as e:
+            self.write_status(namespace, name, error=str(e), error_reason="ChildConflict")
+            self.warn(body, "ChildConflict", str(e))
+            # Waits on someone freeing the name (which raises no event the operator watches).
+            raise kopf.TemporaryError(str(e), delay=30) from e
         except KubeError as e:
             self.write_status(namespace, name, error=str(e))
-            kopf.warn(body, reason="ApplyFailed", message=str(e))
-            raise kopf.TemporaryError(str(e), delay=10) from e
-        if outcome.created and why == "child-deleted":
-            kopf.info(
-                body, reason="DriftRepaired", message="recreated " + ", ".join(outcome.created)
-            )
-        elif outcome.created:
-            kopf.info(body, reason="Created", message="created " + ", ".join(outcome.created))
+            self.warn(body, "ApplyFailed", str(e))
+            # A refusal of the content (a 422) does not pass by itself: retry less often.
+            transient = e.status >= 500 or e.status in (409, 429)
+            raise kopf.TemporaryError(str(e), delay=10 if transient else 60) from e
+        # Missing at a resync or after a child's deletion, a child was deleted by someone
+        # (ConfigMaps and PDBs are not watched: the resync finds them). Monitors are the
+        # exception: they appear at a resync when the Prometheus operator was installed later.
+        repaired = [
+            c
+            for c in outcome.created
+            if why != "change" and not c.startswith(("ServiceMonitor ", "PodMonitor "))
+        ]
+        created = [c for c in outcome.created if c not in repaired]
+        if repaired:
+            kopf.info(body, reason="DriftRepaired", message="recreated " + ", ".join(repaired))
+        if created:
+            kopf.info(body, reason="Created", message="created " + ", ".join(created))
         if outcome.updated:
             # On a resync nothing in the spec changed: a change means someone edited a child.
             reason = "DriftRepaired" if why == "resync" else "Updated"
@@ -256,6 +288,7 @@ class Operator:
         applied_generation: int | None = None,
         error: str | None = None,
         invalid: str | None = None,
+        error_reason: str = "ReconcileFailed",
     ) -> None:
         """Recompute status from freshly read Deployments and write it, conditional on the
         LLMService's resourceVersion: writers (reconcile, the Deployment watch) race, and a
@@ -296,6 +329,7 @@ class Operator:
                     previous_conditions=previous,
                     now=now_rfc3339(),
                     error=error,
+                    error_reason=error_reason,
                     trouble=self.pool_trouble(namespace, service, deployments),
                     autoscaler=status.get("autoscaler"),
                     **self.scalers(namespace, service, spec),

@@ -2,8 +2,12 @@
 what it changed. Level-based: it runs the same way on create, update, resume and every resync,
 so a deleted child is recreated and a hand-edited field is taken back.
 
+An object that has a child's name but is not this LLMService's (made by hand, by another
+controller) is never taken over: the apply stops before changing anything (ChildConflict).
+
 Replicas: the main field manager never keeps spec.replicas of a Deployment. A second manager
-(REPLICAS_FIELD_MANAGER) sets it: always in mode Off, only at creation in Builtin, HPA and KEDA,
+(REPLICAS_FIELD_MANAGER) sets it: always in mode Off and for the router (nothing autoscales
+it), only at creation for the pools in Builtin, HPA and KEDA,
 so the autoscaler's (or an HPA's) value is never overwritten and dropping the field from the
 main apply never resets it. One exception: on a spec change in mode HPA (`wake_from_zero`), a
 pool at zero (scaled there by Builtin or KEDA before the mode changed) restarts at
@@ -60,12 +64,52 @@ def changed(live: dict[str, Any], result: dict[str, Any]) -> bool:
     return content(live) != content(result)
 
 
+class ChildConflict(Exception):
+    """Objects with the names of this LLMService's children exist and are not its own: the
+    operator will not take them over (their owner reference would hand them to the garbage
+    collector with the LLMService)."""
+
+    def __init__(self, conflicts: list[str]) -> None:
+        super().__init__(
+            "refusing to take over "
+            + "; ".join(conflicts)
+            + ": rename the LLMService, or delete or rename those objects"
+        )
+
+
+def _owner_uid(obj: dict[str, Any]) -> str:
+    (owner,) = obj["metadata"]["ownerReferences"]
+    return str(owner["uid"])
+
+
+def not_ours(live: dict[str, Any], uid: str) -> str | None:
+    """Why `live` is not a child of the LLMService with `uid`; None when it is."""
+    refs = live.get("metadata", {}).get("ownerReferences") or []
+    controller = next((r for r in refs if r.get("controller")), None)
+    if controller is not None and controller.get("uid") == uid:
+        return None
+    if controller is None:
+        return "it has no controller"
+    same_name = controller.get("kind") == "LLMService"
+    held_by = f"{controller.get('kind')} {controller.get('name')}"
+    # A namesake LLMService deleted a moment ago: the garbage collector is removing it.
+    return f"it belongs to {held_by}" + (" (an earlier one of that name)" if same_name else "")
+
+
 def apply_deployment(
-    kube: Kube, obj: dict[str, Any], mode: str, outcome: Outcome, wake_from_zero: bool = False
+    kube: Kube,
+    obj: dict[str, Any],
+    mode: str,
+    outcome: Outcome,
+    wake_from_zero: bool = False,
+    live: dict[str, Any] | None = None,
 ) -> None:
+    """`live`: the Deployment as read just before (None: it does not exist yet)."""
     ref = Ref.of(obj)
     desired = int(obj["spec"]["replicas"])
-    live = kube.get(ref)
+    component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+    # Nothing sizes the router, whatever the mode: its replicas are always the spec's.
+    sized_by_spec = mode == "Off" or component == "router"
     if live is None:
         # Created with its replicas, then the replicas manager takes the field and the main
         # manager lets go of it, so later main applies are no-ops (no managedFields churn).
@@ -76,26 +120,34 @@ def apply_deployment(
     else:
         result = kube.apply(without_replicas(obj), FIELD_MANAGER)
         live_replicas = int(result["spec"].get("replicas", -1))
-        if (mode == "Off" and live_replicas != desired) or (
+        if (sized_by_spec and live_replicas != desired) or (
             mode == "HPA" and wake_from_zero and live_replicas == 0 and desired > 0
         ):
             result = kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
         if changed(live, result):
             outcome.updated.append(str(ref))
-    component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
     outcome.deployments[component] = result
 
 
 def apply_children(
     kube: Kube, objects: list[dict[str, Any]], mode: str, wake_from_zero: bool = False
 ) -> Outcome:
+    """Raises ChildConflict, before changing anything, when an object of a child's name exists
+    that this LLMService does not control."""
+    lives = [kube.get(Ref.of(obj)) for obj in objects]
+    conflicts = [
+        f"{Ref.of(obj)} ({why})"
+        for obj, live in zip(objects, lives, strict=True)
+        if live is not None and (why := not_ours(live, _owner_uid(obj)))
+    ]
+    if conflicts:
+        raise ChildConflict(conflicts)
     outcome = Outcome()
-    for obj in objects:
+    for obj, live in zip(objects, lives, strict=True):
         if obj["kind"] == "Deployment":
-            apply_deployment(kube, obj, mode, outcome, wake_from_zero)
+            apply_deployment(kube, obj, mode, outcome, wake_from_zero, live)
             continue
         ref = Ref.of(obj)
-        live = kube.get(ref)
         result = kube.apply(obj, FIELD_MANAGER)
         if live is None:
             outcome.created.append(str(ref))

@@ -286,6 +286,7 @@ def compute_status(
     previous_conditions: list[dict[str, Any]] | None,
     now: str,
     error: str | None = None,
+    error_reason: str = "ReconcileFailed",
     trouble: Mapping[str, str] | None = None,
     autoscaler: Mapping[str, Any] | None = None,
     hpas: Mapping[str, Mapping[str, Any] | None] | None = None,
@@ -321,7 +322,7 @@ def compute_status(
     pending = observed_generation < generation
 
     if error:
-        ready = (False, "ReconcileFailed", error)
+        ready = (False, error_reason, error)
     elif missing:
         ready = (False, "ChildrenMissing", f"Deployments missing for: {', '.join(missing)}")
     elif pending:
@@ -356,7 +357,7 @@ def compute_status(
         progressing = (False, "RolloutComplete", "all pools run the latest template")
 
     if error:
-        degraded = (True, "ReconcileFailed", error)
+        degraded = (True, error_reason, error)
     elif failures:
         degraded = (True, "DeploymentFailing", "; ".join(f"{p}: {m}" for p, m in failures.items()))
     else:

@@ -50,6 +50,17 @@ def deployment(cp: Any, namespace: str, name: str) -> dict[str, Any] | None:
     return get_json(cp, "-n", namespace, "deployment", name)  # type: ignore[no-any-return]
 
 
+def tiny_events(cp: Any, namespace: str, reason: str = "") -> list[dict[str, Any]]:
+    """The Events about LLMService `tiny` (with this reason, if given)."""
+    selector = "involvedObject.kind=LLMService,involvedObject.name=tiny"
+    if reason:
+        selector += f",reason={reason}"
+    items: list[dict[str, Any]] = get_json(
+        cp, "-n", namespace, "events", "--field-selector", selector
+    )["items"]
+    return items
+
+
 def tiny(**spec_overrides: Any) -> dict[str, Any]:
     obj = yaml.safe_load(TINY)
     obj["spec"].update(spec_overrides)
@@ -108,15 +119,7 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
         assert pod["status"]["phase"] == "Running" and ready.get("Ready") == "True"
         assert pod["spec"]["nodeName"].startswith("kwok-node-")
 
-    events = get_json(
-        cp,
-        "-n",
-        namespace,
-        "events",
-        "--field-selector",
-        "involvedObject.kind=LLMService,involvedObject.name=tiny",
-    )
-    assert "Created" in {e["reason"] for e in events["items"]}
+    assert "Created" in {e["reason"] for e in tiny_events(cp, namespace)}
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.port}/healthz") as r:
         assert r.status == 200
 
@@ -181,17 +184,22 @@ def test_drift_is_repaired(control_plane: Any, operator: OperatorProcess, namesp
     cp = control_plane
     apply(cp, namespace, TINY)
     wait_ready(cp, namespace, "tiny")
-    old_uid = get_json(cp, "-n", namespace, "service", "tiny-prefill")["metadata"]["uid"]
-    cp.kubectl("delete", "-n", namespace, "service", "tiny-prefill")
+
+    def delete_and_wait_for_a_new_one(kind: str, name: str, timeout: float) -> None:
+        old_uid = get_json(cp, "-n", namespace, kind, name)["metadata"]["uid"]
+        cp.kubectl("delete", "-n", namespace, kind, name)
+        wait_until(
+            lambda: (
+                (obj := get_json(cp, "-n", namespace, kind, name))
+                and obj["metadata"]["uid"] != old_uid
+            ),
+            f"deleted {kind} recreated",
+            timeout,
+        )
+
     cp.kubectl("set", "image", "-n", namespace, "deployment/tiny-decode", "decode=evil:1")
     cp.kubectl("scale", "-n", namespace, "deployment/tiny-router", "--replicas=4")
-    wait_until(
-        lambda: (
-            (svc := get_json(cp, "-n", namespace, "service", "tiny-prefill"))
-            and svc["metadata"]["uid"] != old_uid
-        ),
-        "deleted Service recreated",
-    )
+    delete_and_wait_for_a_new_one("service", "tiny-prefill", 120)
     wait_until(
         lambda: (
             deployment(cp, namespace, "tiny-decode")["spec"]["template"]["spec"][  # type: ignore
@@ -205,16 +213,48 @@ def test_drift_is_repaired(control_plane: Any, operator: OperatorProcess, namesp
         lambda: deployment(cp, namespace, "tiny-router")["spec"]["replicas"] == 1,  # type: ignore
         "replicas restored in mode Off",
     )
-    events = get_json(
-        cp,
-        "-n",
-        namespace,
-        "events",
-        "--field-selector",
-        "involvedObject.kind=LLMService,involvedObject.name=tiny",
+    assert "DriftRepaired" in {e["reason"] for e in tiny_events(cp, namespace)}
+    # A ConfigMap is not watched: the resync finds it missing, and says so as a repair too.
+    delete_and_wait_for_a_new_one("configmap", "tiny-config", 90)
+    wait_until(
+        lambda: any(
+            "ConfigMap" in e["message"] for e in tiny_events(cp, namespace, "DriftRepaired")
+        ),
+        "a DriftRepaired Event naming the ConfigMap",
+        30,
     )
-    assert "DriftRepaired" in {e["reason"] for e in events["items"]}
     wait_ready(cp, namespace, "tiny")
+
+
+def test_objects_it_does_not_own_are_never_taken_over(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    # Someone's own ConfigMap has the name the LLMService's would get. Applied over it, it
+    # would get a controller owner reference, and the garbage collector would delete it with
+    # the LLMService.
+    cp = control_plane
+    cp.kubectl("create", "configmap", "-n", namespace, "tiny-config", "--from-literal=k=mine")
+    apply(cp, namespace, TINY)
+    ready = wait_until(
+        lambda: (
+            (c := conditions(llms(cp, namespace, "tiny") or {}).get("Ready"))
+            and c["reason"] == "ChildConflict"
+            and c
+        ),
+        "Ready False ChildConflict",
+    )
+    assert ready["status"] == "False"
+    assert f"ConfigMap {namespace}/tiny-config (it has no controller)" in ready["message"]
+    mine = get_json(cp, "-n", namespace, "configmap", "tiny-config")
+    assert mine["data"] == {"k": "mine"} and not mine["metadata"].get("ownerReferences")
+    assert deployment(cp, namespace, "tiny-router") is None  # stopped before changing anything
+    events = tiny_events(cp, namespace, "ChildConflict")
+    assert events and events[0]["type"] == "Warning"
+    # Once the name is free the service comes up (at the next retry).
+    cp.kubectl("delete", "configmap", "-n", namespace, "tiny-config")
+    wait_ready(cp, namespace, "tiny")
+    ours = get_json(cp, "-n", namespace, "configmap", "tiny-config")
+    assert ours["metadata"]["ownerReferences"][0]["name"] == "tiny"
 
 
 def test_ready_message_says_why_a_pool_cannot_schedule(
@@ -259,7 +299,13 @@ def test_hpa_mode_owns_hpas_and_leaves_replicas_to_them(
     cp.kubectl("scale", "-n", namespace, "deployment/tiny-decode", "--replicas=5")
     # A spec change (new image) and several resyncs must not touch the replicas.
     obj["spec"]["image"] = "splitserve/worker:v3"
+    # Nothing autoscales the router: its replicas follow the spec in every mode.
+    obj["spec"].setdefault("router", {})["replicas"] = 2
     apply(cp, namespace, obj)
+    wait_until(
+        lambda: deployment(cp, namespace, "tiny-router")["spec"]["replicas"] == 2,  # type: ignore
+        "spec.router.replicas applied in mode HPA",
+    )
     wait_until(
         lambda: (
             (d := deployment(cp, namespace, "tiny-decode"))

@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import kopf
+import pytest
 from splitserve_operator.children import desired_children
 from splitserve_operator.config import FIELD_MANAGER, REPLICAS_FIELD_MANAGER, OperatorConfig
-from splitserve_operator.handlers import Operator
+from splitserve_operator.handlers import WARNING_REPEAT_SECONDS, Operator
 from splitserve_operator.kube import KubeError, Ref
-from splitserve_operator.reconcile import apply_children
+from splitserve_operator.reconcile import ChildConflict, apply_children
 from splitserve_operator.spec import parse_spec
 
 
@@ -192,3 +194,66 @@ def test_prune_deletes_only_what_the_llmservice_owns() -> None:
     refs = [ours[0], theirs[0], gone[0], replaced[0], unserved[0]]
     assert operator.prune(refs, "uid") == [str(ours[0]), str(gone[0])]
     assert kube.objects == {theirs[0]: theirs[1], replaced[0]: namesake}
+
+
+ROUTER = Ref("apps/v1", "Deployment", "ns", "chat-router")
+
+
+def test_router_replicas_follow_the_spec_in_every_mode() -> None:
+    # Nothing autoscales the router: a hand-made scale (here to zero) is undone in every mode,
+    # while the pools' replicas stay with their autoscaler outside mode Off.
+    for mode in ("Builtin", "HPA", "KEDA"):
+        kube = RecordingKube()
+        apply_children(kube, children(mode), mode)  # type: ignore[arg-type]
+        kube.objects[ROUTER]["spec"]["replicas"] = 0
+        kube.objects[DECODE]["spec"]["replicas"] = 4
+        apply_children(kube, children(mode), mode)  # type: ignore[arg-type]
+        assert kube.objects[ROUTER]["spec"]["replicas"] == 1, mode
+        assert kube.objects[DECODE]["spec"]["replicas"] == 4, mode
+
+
+def test_an_object_it_does_not_control_stops_the_apply_before_any_change() -> None:
+    kube = RecordingKube()
+    objs = children("Off")
+    config = next(o for o in objs if o["kind"] == "ConfigMap")
+    ref = Ref.of(config)
+    kube.objects[ref] = {"metadata": {"name": ref.name, "namespace": "ns"}, "data": {"k": "v"}}
+    with pytest.raises(ChildConflict) as err:
+        apply_children(kube, objs, "Off")  # type: ignore[arg-type]
+    assert f"{ref} (it has no controller)" in str(err.value)
+    assert kube.calls == []  # nothing applied, the user's object untouched
+    # Controlled by an earlier LLMService of the same name (its garbage not collected yet).
+    earlier = copy.deepcopy(config["metadata"]["ownerReferences"])
+    earlier[0]["uid"] = "older-uid"
+    kube.objects[ref]["metadata"]["ownerReferences"] = earlier
+    with pytest.raises(ChildConflict, match="an earlier one of that name"):
+        apply_children(kube, objs, "Off")  # type: ignore[arg-type]
+    # Its own child (same uid) is applied over as usual.
+    kube.objects[ref]["metadata"]["ownerReferences"] = config["metadata"]["ownerReferences"]
+    apply_children(kube, objs, "Off")  # type: ignore[arg-type]
+    assert kube.calls
+
+
+def test_a_lasting_warning_is_posted_once_per_repeat_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # kopf posts a new Event per call: a fault retried every 10 s (or met at every resync)
+    # used to add ~70 Warnings in 5 minutes. The event sink is replaced by a recorder here.
+    posted: list[tuple[str, str]] = []
+    monkeypatch.setattr("kopf.warn", lambda body, reason, message: posted.append((reason, message)))
+    operator = Operator(RecordingKube(), OperatorConfig())  # type: ignore[arg-type]
+    body = kopf.Body({"metadata": {"namespace": "ns", "name": "chat"}})  # type: ignore[typeddict-item]
+    other = kopf.Body({"metadata": {"namespace": "ns", "name": "other"}})  # type: ignore[typeddict-item]
+    for _ in range(5):
+        operator.warn(body, "ApplyFailed", "HTTP 422: bad toleration")
+    operator.warn(other, "ApplyFailed", "HTTP 422: bad toleration")  # another LLMService
+    operator.warn(body, "ApplyFailed", "HTTP 422: another fault")  # a new message
+    assert posted == [("ApplyFailed", "HTTP 422: bad toleration")] * 2 + [
+        ("ApplyFailed", "HTTP 422: another fault")
+    ]
+    # After the repeat period the same warning is posted again.
+    key = ("ns", "chat", "ApplyFailed")
+    message, at = operator._warned[key]
+    operator._warned[key] = (message, at - WARNING_REPEAT_SECONDS)
+    operator.warn(body, "ApplyFailed", "HTTP 422: another fault")
+    assert len(posted) == 4
