@@ -44,7 +44,7 @@ from splitserve_workers.engine.sequence import (
     SequenceStatus,
     TokenOutput,
 )
-from splitserve_workers.engine.tokenizer import Tokenizer
+from splitserve_workers.engine.tokenizer import Tokenizer, prompt_context
 
 log = logging.getLogger(__name__)
 
@@ -375,11 +375,30 @@ class LLMEngine:
         return None
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        # A stop string of c characters spans at most 4c bytes, hence at most 4c + 1 byte-level
-        # tokens; decoding that tail of the output each step keeps the check O(1) per token.
-        window = 4 * max(len(s) for s in seq.params.stop) + 1
-        text = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=False)
-        return any(s in text for s in seq.params.stop)
+        # A stop string of c characters spans at most 4c bytes, hence at most 4c tokens (each
+        # decodes to a byte at least), and it ends in the newest token; decoding the last 4c + 1
+        # tokens each step keeps the check O(1) per token. The extra token in front matters:
+        # SentencePiece-style (Metaspace) decoders drop the leading space of the first token
+        # decoded. While the window still reaches the first output token, the last few prompt
+        # tokens take that place and only the text after theirs is searched, so a stop string
+        # " word" matches the first generated word too (as decoding prompt + output would).
+        stop = seq.params.stop
+        window = 4 * max(len(s) for s in stop) + 1
+        n_out = seq.num_output_tokens
+        if n_out > window:
+            text = self.tokenizer.decode(seq.token_ids[-window:], skip_special_tokens=False)
+            return any(s in text for s in stop)
+        out = seq.token_ids[seq.num_prompt_tokens :]
+        ctx, ctx_text = prompt_context(
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+            seq.token_ids[: seq.num_prompt_tokens],
+        )
+        text = self.tokenizer.decode(ctx + out, skip_special_tokens=False)
+        if text.startswith(ctx_text):
+            text = text[len(ctx_text) :]
+        else:  # the context's text changed with the output after it: search the output alone
+            text = self.tokenizer.decode(out, skip_special_tokens=False)
+        return any(s in text for s in stop)
 
     # ---- offline convenience -----------------------------------------------------------------
     def generate(

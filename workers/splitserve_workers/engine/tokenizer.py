@@ -7,7 +7,7 @@ Used by LLMEngine (stop strings, EOS) and by the router (prompts in, text out). 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,28 @@ def _raise_exception(message: str) -> None:
     import jinja2
 
     raise jinja2.exceptions.TemplateError(message)
+
+
+# Prompt tokens decoded in front of the output, as vLLM does: SentencePiece-style (Metaspace)
+# decoders drop the leading space of a sequence's first token, which is right for a prompt but
+# not for the first generated token.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+def prompt_context(
+    decode: Callable[[list[int]], str], prompt_ids: Sequence[int]
+) -> tuple[list[int], str]:
+    """The last few prompt ids and their text, to decode the output after (the router's
+    streamed text, the engine's stop strings). Ids that end in an incomplete UTF-8 character (a
+    prompt given as ids may) are dropped: the character's rest in the output would change the
+    context's text, so its length would no longer mark where the output's text begins."""
+    ids = [int(i) for i in prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS) :]]
+    while ids:
+        text = decode(ids)
+        if not text.endswith("\ufffd"):
+            return ids, text
+        ids.pop()
+    return [], ""
 
 
 class Tokenizer:

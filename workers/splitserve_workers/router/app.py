@@ -429,7 +429,7 @@ class _Run:
         self.created = api.now()
         self.model = router.options.model_name
         self.detok = IncrementalDetokenizer(
-            router.tokenizer, req.stop, [] if req.ignore_eos else router.eos_token_ids
+            router.tokenizer, req.stop, [] if req.ignore_eos else router.eos_token_ids, prompt_ids
         )
         self.token_times: list[tuple[float, int]] = []  # (arrival at router, tokens in event)
         self.num_tokens = 0

@@ -5,8 +5,10 @@ in app.py; the tokenizer is anything with `decode(ids) -> str`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+from splitserve_workers.engine.tokenizer import prompt_context
 
 
 class Decoder(Protocol):
@@ -16,15 +18,21 @@ class Decoder(Protocol):
 class IncrementalDetokenizer:
     """Feed token ids, get the new text. Decoding a short window of tokens rather than the whole
     output keeps each step O(window); the window restarts where the last complete text ended, so
-    tokenizers that merge spaces or bytes across tokens still come out right."""
+    tokenizers that merge spaces or bytes across tokens still come out right. The first window
+    starts with the last few `prompt_ids` (only their text's continuation is output), so the
+    first generated token comes out as it does after the prompt, leading space included."""
 
     def __init__(
-        self, tokenizer: Decoder, stop: Iterable[str] = (), skip_ids: Iterable[int] = ()
+        self,
+        tokenizer: Decoder,
+        stop: Iterable[str] = (),
+        skip_ids: Iterable[int] = (),
+        prompt_ids: Sequence[int] = (),
     ) -> None:
         self._tok = tokenizer
-        self._ids: list[int] = []
+        self._ids, _ = prompt_context(tokenizer.decode, prompt_ids)
         self._prefix_offset = 0  # start of the decode window
-        self._read_offset = 0  # ids up to here have been turned into text
+        self._read_offset = len(self._ids)  # ids up to here have been turned into text
         self._stop = [s for s in stop if s]
         self._skip = set(skip_ids)
         self._text = ""  # all text decoded so far

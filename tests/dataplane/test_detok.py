@@ -1,0 +1,145 @@
+"""The router's detokenizer with prompt context: SentencePiece-style decoders (Metaspace, or
+Llama-2/Mistral's Replace/ByteFallback/Fuse/Strip) drop the leading space of the first token
+decoded, so the stream decodes the output after the last few prompt ids and yields exactly
+decode(prompt + output) minus decode(prompt), stop strings with a leading space included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from splitserve_workers.engine.tokenizer import PROMPT_CONTEXT_TOKENS, Tokenizer
+from splitserve_workers.router.detok import IncrementalDetokenizer
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+SPECIALS = ["<unk>", "<s>", "</s>"]
+WORDS = ["▁is", "▁tomato", "▁a", "▁red", "▁fruit", "▁the", "▁日本", "▁not"]
+
+
+def sp_tokenizer(style: str) -> HFTokenizer:
+    """A hand-written Unigram vocabulary: "metaspace" has a Metaspace pre-tokenizer and decoder;
+    "llama" is Llama-2/Mistral's layout (normalizer prepends "▁", byte fallback, decoder
+    Replace/ByteFallback/Fuse/Strip)."""
+    pieces = [(s, 0.0) for s in SPECIALS]
+    if style == "llama":
+        pieces += [(f"<0x{b:02X}>", 0.0) for b in range(256)]
+    pieces += [("▁", -5.0)] + [(w, -1.0) for w in WORDS]
+    pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    tok = HFTokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=style == "llama"))
+    if style == "llama":
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+@pytest.fixture(scope="module", params=["metaspace", "llama"])
+def sp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The router's tokenizer class over a SentencePiece-style tokenizer.json."""
+    model_dir = tmp_path_factory.mktemp(f"sp-{request.param}")
+    sp_tokenizer(request.param).save(str(model_dir / "tokenizer.json"))
+    return Tokenizer(Path(model_dir))
+
+
+def encode(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], per_event: int = 1) -> list[str]:
+    deltas = [detok.add(ids[i : i + per_event]) for i in range(0, len(ids), per_event)]
+    return [*deltas, detok.finish()]
+
+
+def test_output_alone_loses_its_leading_space(sp: Tokenizer) -> None:
+    # The premise: without context the first word's space is gone.
+    out = encode(sp, "is tomato")
+    assert [sp._tok.id_to_token(i) for i in out] == ["▁is", "▁tomato"]
+    assert sp.decode(out) == "is tomato"
+    assert "".join(stream(IncrementalDetokenizer(sp), out)) == "is tomato"
+
+
+@pytest.mark.parametrize("per_event", [1, 3])
+@pytest.mark.parametrize("prompt", ["the tomato", "a red fruit is not the tomato", "a"])
+def test_stream_equals_decode_with_the_prompt(sp: Tokenizer, prompt: str, per_event: int) -> None:
+    bos = sp.token_to_id("<s>")
+    assert bos is not None
+    prompt_ids = [bos, *encode(sp, prompt)]
+    text = "is a red fruit, the 日本 tomato" if sp.token_to_id("<0x41>") else "is a red fruit"
+    out = encode(sp, text)
+    expected = sp.decode(prompt_ids + out)[len(sp.decode(prompt_ids)) :]
+    assert expected == " " + text
+    deltas = stream(IncrementalDetokenizer(sp, prompt_ids=prompt_ids), out, per_event)
+    assert "".join(deltas) == expected
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize(
+    ("stop", "shown"),
+    [
+        (" is", ""),  # the first token's own space
+        (" red", " is a"),
+        ("red fruit", " is a "),
+        ("tomato is", " is a red fruit"),  # spans the prompt and the output: never matches
+    ],
+)
+def test_stop_string_with_prompt_context(sp: Tokenizer, stop: str, shown: str) -> None:
+    prompt_ids = encode(sp, "a red fruit is not the tomato")
+    assert len(prompt_ids) > PROMPT_CONTEXT_TOKENS  # only the last few are decoded
+    detok = IncrementalDetokenizer(sp, [stop], prompt_ids=prompt_ids)
+    deltas = stream(detok, encode(sp, "is a red fruit"))
+    assert "".join(deltas) == shown
+    assert detok.text == shown
+    assert detok.stopped == (stop != "tomato is")
+
+
+def test_skip_ids_and_special_prompt_tokens(sp: Tokenizer) -> None:
+    eos = sp.token_to_id("</s>")
+    bos = sp.token_to_id("<s>")
+    assert eos is not None and bos is not None
+    detok = IncrementalDetokenizer(sp, [], [eos], prompt_ids=[bos])
+    # A prompt of special tokens only decodes to "": as decode(prompt + output) would, the
+    # first word then has no space in front.
+    assert "".join(stream(detok, [*encode(sp, "is tomato"), eos])) == "is tomato"
+
+
+def test_prompt_ending_inside_a_character_keeps_the_output(tmp_path: Path) -> None:
+    # A prompt given as ids may end in the middle of a byte-fallback character: those ids are
+    # left out of the context, so the output's text is not shifted by the character's
+    # completion (one U+FFFD per byte in the prompt's text would otherwise eat output text).
+    sp_tokenizer("llama").save(str(tmp_path / "tokenizer.json"))
+    sp = Tokenizer(tmp_path)
+    ids = encode(sp, "the 語 is red")
+    assert [sp._tok.id_to_token(i) for i in ids] == [
+        "▁the", "▁", "<0xE8>", "<0xAA>", "<0x9E>", "▁is", "▁red",
+    ]  # fmt: skip
+    detok = IncrementalDetokenizer(sp, prompt_ids=ids[:4])
+    assert "".join(stream(detok, ids[4:])) == "\ufffd is red"
+
+
+class ByteDecoder:
+    """Token i is byte i, like byte-level BPE: context changes nothing."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_byte_level_output_is_unchanged_by_context() -> None:
+    text = "é ✓ 你好 STOP x"
+    for prompt in [b"", b"a", "prompt ✓".encode(), "ends mid ✓".encode()[:-1]]:
+        detok = IncrementalDetokenizer(ByteDecoder(), ["STOP"], prompt_ids=list(prompt))
+        deltas = stream(detok, list(text.encode()))
+        assert "".join(deltas) == "é ✓ 你好 "
+        assert all("\ufffd" not in d for d in deltas)
