@@ -300,3 +300,88 @@ def test_failed_forward_pass_fails_its_batch_and_frees_blocks(
     assert [len(o) for o in outs.values()] == [3, 3]  # first token, one decode, the error
     assert engine.stats().free_blocks == engine.num_kv_blocks
     assert engine.generate([prompt_ids(engine, 6)], GREEDY)  # still serving
+
+
+def test_interactive_prompt_preempts_background_work_holding_the_cache(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # A background request holds most of the cache; an interactive one arriving next used to
+    # wait until the background one finished. Now the background one is preempted (and
+    # recomputed later, with the same tokens).
+    engine = make_engine(block_size=4, num_kv_blocks=10)
+    bg_prompt, fg_prompt = prompt_ids(engine, 30, salt=2), prompt_ids(engine, 5, salt=1)
+    bg_params = SamplingParams(max_tokens=6, ignore_eos=True)
+    fg_params = SamplingParams(max_tokens=3, ignore_eos=True)
+    expected = make_engine().generate([bg_prompt, fg_prompt], [bg_params, fg_params])
+    engine.add_request("bg", bg_prompt, bg_params, Priority.BACKGROUND)
+    first = engine.step()  # bg's prompt is in the cache (8 of 10 blocks)
+    assert [o.request_id for o in first] == ["bg"]
+    engine.add_request("fg", fg_prompt, fg_params, Priority.INTERACTIVE)
+    finished: list[str] = []
+    outs: dict[str, list[int]] = {"bg": [o.token_id for o in first if o.token_id is not None]}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_id is not None:
+                outs.setdefault(o.request_id, []).append(o.token_id)
+            if o.finished:
+                finished.append(o.request_id)
+    assert finished == ["fg", "bg"]
+    assert engine.stats().preemptions_total >= 1
+    assert [outs["bg"], outs["fg"]] == expected
+    assert engine.stats().free_blocks == 10
+
+
+def test_running_interactive_sequence_preempts_a_background_chunked_prefill(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # Mixed passes: a background prompt part-way through its chunked prefill holds blocks.
+    # When the running interactive sequence needs a block, the background prompt gives them
+    # up; the interactive one used to preempt itself and wait out the background request.
+    engine = make_engine(
+        block_size=4, num_kv_blocks=10, max_batch_tokens=4, enable_mixed_batches=True
+    )
+    fg_prompt, bg_prompt = prompt_ids(engine, 3, salt=1), prompt_ids(engine, 30, salt=2)
+    fg_params = SamplingParams(max_tokens=20, ignore_eos=True)
+    bg_params = SamplingParams(max_tokens=3, ignore_eos=True)
+    expected = make_engine().generate([fg_prompt, bg_prompt], [fg_params, bg_params])
+    engine.add_request("fg", fg_prompt, fg_params, Priority.INTERACTIVE)
+    first = [o.token_id for o in engine.step()]  # fg's prompt and first token
+    engine.add_request("bg", bg_prompt, bg_params, Priority.BACKGROUND)
+    victims: list[str] = []
+    preempt = engine.scheduler.preempt
+
+    def spy(seq):  # type: ignore[no-untyped-def]
+        victims.append(seq.request_id)
+        preempt(seq)
+
+    engine.scheduler.preempt = spy  # type: ignore[method-assign]
+    outs = drain(engine)
+    fg_tokens = first + [o.token_id for o in outs["fg"] if o.token_id is not None]
+    bg_tokens = [o.token_id for o in outs["bg"] if o.token_id is not None]
+    assert "bg" in victims and "fg" not in victims
+    assert [fg_tokens, bg_tokens] == expected
+    assert engine.stats().free_blocks == 10
+
+
+def test_a_prefill_only_prompt_streaming_its_kv_is_never_preempted(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # On a prefill worker a background prompt's KV is already on its way to a decode worker;
+    # recomputing it would send those chunks twice. An interactive prompt waits for it instead.
+    engine = make_engine(block_size=4, num_kv_blocks=10, max_batch_tokens=8)
+    sent: list[tuple[int, int]] = []
+
+    def on_kv(_rid: str, layer: int, start: int, k: torch.Tensor, _v: torch.Tensor) -> None:
+        sent.append((layer, start))
+
+    params = SamplingParams(max_tokens=1)
+    engine.add_request(
+        "bg", prompt_ids(engine, 30, salt=2), params, Priority.BACKGROUND, True, on_kv
+    )
+    engine.step()  # the first chunk: 8 of 30 tokens, all 8 blocks allocated
+    engine.add_request("fg", prompt_ids(engine, 9, salt=1), params, Priority.INTERACTIVE, True)
+    outs = drain(engine)
+    assert engine.stats().preemptions_total == 0
+    assert len(sent) == len(set(sent))  # every (layer, token start) sent once
+    assert [o.finish_reason for o in outs["bg"]][-1] and [o.finish_reason for o in outs["fg"]][-1]
+    assert engine.stats().free_blocks == 10

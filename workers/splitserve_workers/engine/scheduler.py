@@ -3,8 +3,10 @@ background, then FIFO) are admitted while their KV blocks fit and packed under t
 max_batch_tokens budget, the last one chunked if it does not fit whole. Otherwise one decode
 token for up to max_batch_size running sequences (with enable_mixed_batches, both in one pass:
 decodes first, prompt chunks in the rest of the budget); when a sequence needs a block and none is
-free, the lowest-priority, newest running sequence is preempted (its KV dropped, recomputed
-later). Blocks come from block_manager.py; llm_engine.py drives schedule() and the results.
+free, the lowest-priority, newest holder of blocks (a running sequence or a part-prefilled
+prompt) is preempted (its KV dropped, recomputed later); and an interactive prompt that cannot
+be admitted preempts background holders of blocks or batch slots rather than wait for them.
+Blocks come from block_manager.py; llm_engine.py drives schedule() and the results.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class Scheduler:
         seqs = list(decode.seqs) if decode else []
         counts = [1] * len(seqs)
         budget = self.max_batch_tokens - len(seqs)
-        prefill = self._schedule_prefill(budget) if budget > 0 else None
+        prefill = self._schedule_prefill(budget, set(seqs)) if budget > 0 else None
         if prefill is not None:
             seqs += prefill.seqs
             counts += prefill.num_new_tokens
@@ -84,7 +86,11 @@ class Scheduler:
         num_decode = len(decode.seqs) if decode else 0
         return ScheduledBatch(True, seqs, counts, num_decode), too_long
 
-    def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
+    def _schedule_prefill(
+        self, budget: int, protected: set[Sequence] | None = None
+    ) -> ScheduledBatch | None:
+        """protected: sequences already in this iteration's batch (a mixed pass's decodes),
+        which admission must not preempt."""
         active = len(self.running) + sum(1 for s in self.waiting if s.block_table)
         # Keep one block spare while sequences decode, so admitting a prompt does not force
         # an immediate preemption of a running sequence (recompute ping-pong).
@@ -92,14 +98,27 @@ class Scheduler:
         admitting = True
         seqs: list[Sequence] = []
         counts: list[int] = []
-        for seq in self.waiting:
+        for seq in list(self.waiting):
             if budget <= 0:
                 break
             if not seq.block_table:
-                if not admitting or active >= self.max_batch_size:
-                    admitting = False
+                if not admitting:
                     continue
-                result = self.bm.allocate_with_prefix(seq.token_ids, seq.num_tokens, watermark)
+                while True:
+                    result = None
+                    if active < self.max_batch_size:
+                        result = self.bm.allocate_with_prefix(
+                            seq.token_ids, seq.num_tokens, watermark
+                        )
+                    if result is not None:
+                        break
+                    # An interactive prompt does not wait behind background work holding the
+                    # cache or the batch slots: the newest lower-priority holder is preempted.
+                    victim = self._victim(seq, (protected or set()) | set(seqs))
+                    if victim is None:
+                        break
+                    self.preempt(victim)
+                    active -= 1
                 if result is None:
                     admitting = False  # strict order: nothing behind the head jumps ahead
                     continue
@@ -127,9 +146,13 @@ class Scheduler:
                 too_long.append(seq)  # the whole cache cannot hold it: finish as "length"
                 continue
             while need > self.bm.num_free_blocks:
-                victim = max(
-                    (s for s in self.running if s not in too_long), key=lambda s: s.sort_key
-                )
+                # The lowest-priority, newest holder of blocks: a running sequence, or a
+                # prompt part-way through a chunked prefill (else an interactive sequence would
+                # preempt itself while a background prefill keeps its blocks).
+                holders = [s for s in self.running if s not in too_long] + [
+                    s for s in self.waiting if s.block_table and not s.prefill_only
+                ]
+                victim = max(holders, key=lambda s: s.sort_key)
                 self.preempt(victim)
                 if victim in batch:
                     batch.remove(victim)
@@ -142,8 +165,25 @@ class Scheduler:
             return None, too_long
         return ScheduledBatch(False, batch, [1] * len(batch), num_decode=len(batch)), too_long
 
+    def _victim(self, seq: Sequence, keep: set[Sequence]) -> Sequence | None:
+        """The newest holder of blocks with a lower priority than `seq`, to preempt so `seq`
+        can be admitted; None if there is none. Never a prefill-only sequence part-way through
+        its prompt: its KV already streamed to a decode worker, and recomputing it would send
+        those chunks twice."""
+        holders = [
+            s
+            for s in [*self.running, *(w for w in self.waiting if w.block_table)]
+            if s.priority > seq.priority and s not in keep and not s.prefill_only
+        ]
+        return max(holders, key=lambda s: s.sort_key, default=None)
+
     def preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        """Drop a running sequence's KV (or a partly prefilled prompt's) and queue it again;
+        its prompt + output so far is recomputed when it is admitted again."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self.bm.free(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
