@@ -139,8 +139,9 @@ def test_rbac_has_no_wildcards_and_covers_what_the_operator_writes(
     # list: why a pool's pods are not running; patch: pod-deletion-cost before a scale-down.
     # Never create, update or delete: pods belong to the ReplicaSets.
     assert allowed("", "pods") == {"list", "patch"}
-    assert "patch" in allowed("splitserve.io", "llmservices/status")
-    assert "create" in allowed("", "events")
+    assert allowed("splitserve.io", "llmservices/status") == {"patch"}  # read via the object
+    assert allowed("", "events") == {"create"}
+    assert not allowed("events.k8s.io", "events")  # kopf posts core/v1 Events only
     # What the operator deletes: HPAs and ScaledObjects it made, when an LLMService leaves
     # mode HPA or KEDA, and its monitors, when an LLMService sets monitoring.enabled false
     # (the garbage collector removes every other child with its owner).

@@ -692,7 +692,7 @@ def test_invalid_llmservices_are_rejected_naming_the_field(
 
 @pytest.mark.parametrize(
     ("path", "mount_path"),
-    [("/models", "/models"), ("/models/m", "/models/"), ("/m", "/")],
+    [("/models", "/models"), ("/models/m", "/models/"), ("/opt/m", "/opt/")],
 )
 def test_model_path_at_or_under_the_mount_is_accepted(
     control_plane: Any, cluster_release: Any, namespace: str, path: str, mount_path: str

@@ -26,7 +26,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "splitserve.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- /* Falling back to "default" would bind the operator's Roles to every pod's account. */ -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false: name an existing ServiceAccount for the operator (the chart would otherwise bind its Roles to the namespace's default ServiceAccount)" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
 
@@ -46,7 +47,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   verbs: [get, list, watch, patch]
 - apiGroups: [splitserve.io]
   resources: [llmservices/status]
-  verbs: [get, patch]
+  verbs: [patch]
 # Owner references with blockOwnerDeletion need it (OwnerReferencesPermissionEnforcement).
 - apiGroups: [splitserve.io]
   resources: [llmservices/finalizers]
@@ -80,7 +81,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
   verbs: [get, create, patch, delete]
-- apiGroups: ["", events.k8s.io]
+# kopf posts core/v1 Events.
+- apiGroups: [""]
   resources: [events]
   verbs: [create]
 {{- end -}}
