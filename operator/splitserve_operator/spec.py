@@ -7,6 +7,7 @@ defaults again so the pure builders work on dicts that never went through an API
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -16,6 +17,9 @@ from .autoscaler import RatioBounds, Targets, unreachable_ratio
 
 AUTOSCALING_MODES = ("Builtin", "HPA", "KEDA", "Off")
 POOLS = ("router", "prefill", "decode")
+# The router's requests when spec.router.resources is not set: it holds the tokenizer (and the
+# torch import behind it, ~560 MiB resident) and runs the HTTP edge on one event loop.
+ROUTER_DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "768Mi"}}
 
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|ms|s|m|h)")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -198,10 +202,15 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
         settings["kvCacheMemoryBytes"] = parse_quantity(
             data["kvCacheMemory"], f"{path}.kvCacheMemory"
         )
+    resources = dict(data.get("resources") or {})
+    if name == "router" and "resources" not in data:
+        # Unset, the router pods would be BestEffort: first evicted under node pressure, and
+        # placed with no room reserved. `resources: {}` keeps that choice explicit.
+        resources = copy.deepcopy(ROUTER_DEFAULT_RESOURCES)
     return Pool(
         name=name,
         replicas=replicas,
-        resources=dict(data.get("resources") or {}),
+        resources=resources,
         node_selector=dict(data.get("nodeSelector") or {}),
         tolerations=list(data.get("tolerations") or []),
         affinity=dict(data.get("affinity") or {}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 from splitserve_operator.spec import SpecError, parse_duration, parse_quantity, parse_spec
@@ -192,3 +193,22 @@ def test_path_under_mount_is_a_directory_prefix(path: str, mount_path: str, ok: 
     else:
         with pytest.raises(SpecError, match="^spec.model.path: .* must lie under"):
             parse_spec(spec)
+
+
+def test_router_gets_default_requests_unless_resources_are_set() -> None:
+    base: dict[str, Any] = {
+        "model": {"name": "m", "path": "/models/m"},
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 1},
+    }
+    # Unset: requests, so router pods are not BestEffort (the workers' are the user's call).
+    spec = parse_spec(base)
+    assert spec.pool("router").resources == {"requests": {"cpu": "250m", "memory": "768Mi"}}
+    assert spec.pool("decode").resources == {}
+    # Set: taken as written, including an explicit {}.
+    own = {"limits": {"cpu": "2"}}
+    assert parse_spec({**base, "router": {"resources": own}}).pool("router").resources == own
+    assert parse_spec({**base, "router": {"resources": {}}}).pool("router").resources == {}
+    # Defaults are copies: one parsed spec's dict cannot change another's.
+    spec.pool("router").resources["requests"]["cpu"] = "9"
+    assert parse_spec(base).pool("router").resources["requests"]["cpu"] == "250m"
