@@ -173,6 +173,10 @@ class Operator:
             logger.info(
                 f"{why}: created {len(outcome.created)}, updated {len(outcome.updated)} children"
             )
+        if spec.autoscaling_mode == "KEDA":
+            problem = keda_problem(spec, self.config, keda)
+            if problem:
+                self.warn(body, *problem)
         self.write_status(namespace, name, applied_generation=generation)
 
     def repair(

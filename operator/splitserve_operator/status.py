@@ -358,6 +358,9 @@ def compute_status(
 
     if error:
         degraded = (True, error_reason, error)
+    elif spec.autoscaling_mode == "KEDA" and keda_problem:
+        # The pools run, but nothing sizes them as the spec asks.
+        degraded = (True, keda_problem[0], keda_problem[1])
     elif failures:
         degraded = (True, "DeploymentFailing", "; ".join(f"{p}: {m}" for p, m in failures.items()))
     else:
@@ -376,12 +379,17 @@ def compute_status(
         ),
     ]
     if spec.autoscaling_mode != "Off":
-        limited = (
-            scaling_limited_condition(autoscaler)
-            if spec.autoscaling_mode == "Builtin"
-            else hpa_limited_condition(service, hpas or {})
+        limited: tuple[bool | None, str, str]
+        if spec.autoscaling_mode == "Builtin":
+            limited = scaling_limited_condition(autoscaler)
+        elif spec.autoscaling_mode == "KEDA" and keda_problem:
+            limited = (None, keda_problem[0], "no ScaledObjects, so no limits: " + keda_problem[1])
+        else:
+            limited = hpa_limited_condition(service, hpas or {})
+        status_, reason, message = limited
+        current.append(
+            condition("ScalingLimited", status_, reason, message, generation=observed_generation)
         )
-        current.append(condition("ScalingLimited", *limited, generation=observed_generation))
     port = spec.router.settings["port"]
     status: dict[str, Any] = {
         "observedGeneration": observed_generation,

@@ -254,6 +254,34 @@ def test_status_in_mode_keda_names_keda_and_its_hpas_limits() -> None:
     assert keda_hpa_name({"metadata": {"name": "x"}, "status": {"hpaName": "h"}}) == "h"
 
 
+def test_status_without_keda_is_degraded_and_says_no_limits_apply() -> None:
+    # KEDA not installed: the pools run at their replicas, but nothing sizes them as the spec
+    # asks. Degraded says so (Ready is about serving), and ScalingLimited does not claim that
+    # an HPA is within its limits when there is none.
+    problem = keda_problem(parse_spec(SPEC), OperatorConfig(), False)
+    assert problem is not None
+    st = compute_status(
+        service="chat",
+        namespace="team-a",
+        spec=parse_spec(SPEC),
+        generation=1,
+        observed_generation=1,
+        deployments={},
+        previous_conditions=None,
+        now="2026-11-30T00:00:00Z",
+        keda_problem=problem,
+    )
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == (
+        "True",
+        "KEDANotInstalled",
+    )
+    assert "install KEDA" in conds["Degraded"]["message"]
+    limited = conds["ScalingLimited"]
+    assert (limited["status"], limited["reason"]) == ("Unknown", "KEDANotInstalled")
+    assert "HorizontalPodAutoscaler" not in limited["message"]
+
+
 def test_mode_keda_allows_pools_at_zero() -> None:
     spec = parse_spec(SPEC)  # decode minReplicas 0: refused in mode HPA, fine with KEDA
     assert spec.decode.bounds is not None and spec.decode.bounds.min_replicas == 0
