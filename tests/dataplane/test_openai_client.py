@@ -462,3 +462,76 @@ def test_edge_metrics_have_ttft_and_stage_split(stack: dict[str, Any]) -> None:
     assert total("splitserve_requests_total", status="rejected") >= 1
     assert total("splitserve_prompt_tokens_total") > 0
     assert total("splitserve_generation_tokens_total") > 0
+
+
+def engine_logprobs(engine: Any, prompt_ids: list[int], max_tokens: int, top: int) -> list[Any]:
+    """One in-process engine's outputs (token, logprob, top pairs) for a greedy request."""
+    from splitserve_workers.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=True, top_logprobs=top)
+    engine.add_request("lp", prompt_ids, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.token_id is not None]
+    return outs
+
+
+def test_chat_logprobs_match_the_engine_streamed_or_not(stack: dict[str, Any], engine: Any) -> None:
+    # The first token's logprobs come from the prefill worker, the rest from the decode
+    # worker; both must equal one engine's, and the stream must carry the same entries.
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    expected = engine_logprobs(engine, chat_ids(engine, messages), 8, 3)
+    tok = engine.tokenizer
+    args: dict[str, Any] = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    resp = client(stack).chat.completions.create(**args)
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert len(content) == len(expected) == resp.usage.completion_tokens  # type: ignore[union-attr]
+    for got, want in zip(content, expected, strict=True):
+        text, raw = tok.token_text(want.token_id)
+        assert (got.token, bytes(got.bytes or [])) == (text, raw)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(
+            [v for _, v in want.top_logprobs], abs=1e-4
+        )
+        assert [t.token for t in got.top_logprobs] == [
+            tok.token_text(t)[0] for t, _ in want.top_logprobs
+        ]
+        assert got.top_logprobs[0].token == got.token  # greedy: the sampled one is the top one
+    streamed = []
+    for chunk in client(stack).chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs and choice.logprobs.content:
+                streamed += choice.logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs_follow_the_legacy_shape(stack: dict[str, Any], engine: Any) -> None:
+    prompt = PROMPTS[0]
+    expected = engine_logprobs(engine, engine.tokenizer.encode(prompt), 6, 2)
+    resp = client(stack).completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.token_logprobs == pytest.approx([o.logprob for o in expected], abs=1e-4)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)  # N, plus the sampled one
+    assert all(
+        top[token] == value
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
+    )
+    # text_offset: where each token's text starts in the completion.
+    lengths = [len(t) for t in lp.tokens]
+    assert lp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]

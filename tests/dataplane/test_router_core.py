@@ -127,7 +127,10 @@ def test_priority_from_body_or_header() -> None:
         ({"prompt": "x", "temperature": True}, "temperature", "invalid_type"),
         ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
         ({"prompt": "x", "n": 2}, "n", "unsupported_parameter"),
-        ({"prompt": "x", "logprobs": 3}, "logprobs", "unsupported_parameter"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs", "invalid_value"),
+        ({"prompt": "x", "logprobs": True}, "logprobs", "invalid_type"),
+        ({"prompt": "x", "logprobs": 1, "echo": True}, "logprobs", "unsupported_parameter"),
+        ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "unknown_parameter"),
         ({"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
         ({"prompt": "x", "stop": [1]}, "stop", "invalid_type"),
@@ -493,3 +496,51 @@ class _FakeColocated:
 
     async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
         return pb.AbortResponse()
+
+
+def test_logprobs_requests_parse_as_openai_defines_them() -> None:
+    # Legacy completions: logprobs N (0-5) = the sampled token's logprob plus the N most likely.
+    req = api.parse_completion({"prompt": "x", "logprobs": 0})
+    assert (req.logprobs, req.top_logprobs) == (True, 0)
+    req = api.parse_completion({"prompt": "x", "logprobs": 5})
+    assert (req.logprobs, req.top_logprobs) == (True, 5)
+    assert not api.parse_completion({"prompt": "x", "logprobs": None}).logprobs
+    # Chat: a boolean, and top_logprobs (0-20) only with it.
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    req = api.parse_chat({**chat, "logprobs": True, "top_logprobs": 20})
+    assert (req.logprobs, req.top_logprobs) == (True, 20)
+    assert api.parse_chat({**chat, "logprobs": False, "top_logprobs": 0}).logprobs is False
+    for body, param, code in [
+        ({**chat, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+        ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+        ({**chat, "logprobs": 1}, "logprobs", "invalid_type"),
+    ]:
+        err = error_of(api.parse_chat, body)
+        assert (err.status, err.param, err.code) == (400, param, code), body
+
+
+def test_logprobs_objects_have_openai_shapes() -> None:
+    entries = [
+        api.TokenLogprob("He", b"He", -0.5, [("He", b"He", -0.5), ("We", b"We", -1.5)]),
+        api.TokenLogprob("bytes:\\xc3", b"\xc3", -0.25, [("bytes:\\xc3", b"\xc3", -0.25)]),
+    ]
+    chat = api.chat_logprobs(entries)
+    assert chat["refusal"] is None
+    assert chat["content"][0] == {
+        "token": "He",
+        "logprob": -0.5,
+        "bytes": [72, 101],
+        "top_logprobs": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+            {"token": "We", "logprob": -1.5, "bytes": [87, 101]},
+        ],
+    }
+    assert chat["content"][1]["bytes"] == [0xC3]
+    legacy = api.completion_logprobs(entries, 10)
+    assert legacy["tokens"] == ["He", "bytes:\\xc3"]
+    assert legacy["token_logprobs"] == [-0.5, -0.25]
+    assert legacy["top_logprobs"] == [{"He": -0.5, "We": -1.5}, {"bytes:\\xc3": -0.25}]
+    assert legacy["text_offset"] == [10, 12]
+    # logprobs 0: no alternatives, yet the sampled token is always listed.
+    alone = api.completion_logprobs([api.TokenLogprob("a", b"a", -2.0, [])], 0)
+    assert alone["top_logprobs"] == [{"a": -2.0}]

@@ -189,6 +189,20 @@ async def test_colocated_complete_equals_single_engine(
 
     got = await asyncio.gather(*(complete(i, p) for i, p in enumerate(prompts)))
     assert got == expected
+    # Logprobs ride along, one entry per token (the top alternatives most likely first).
+    logprobs: list[float] = []
+    tops: list[pb.TopLogprobs] = []
+    sampling = pb.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1, top_logprobs=2)
+    async for ev in stub.Complete(
+        pb.CompleteRequest(request_id="colo-lp", prompt_token_ids=prompts[0], sampling=sampling)
+    ):
+        assert len(ev.logprobs) == len(ev.top_logprobs) == len(ev.token_ids)
+        logprobs += ev.logprobs
+        tops += ev.top_logprobs
+    assert len(logprobs) == 4 and all(v <= 0 for v in logprobs)
+    for value, top in zip(logprobs, tops, strict=True):
+        assert len(top.token_ids) == 2 and top.logprobs[0] >= top.logprobs[1]
+        assert top.logprobs[0] == pytest.approx(value)  # greedy: the sampled token is the top
     assert (await dataplane.load(colo.endpoint, "colocated")).free_blocks == initial.free_blocks
     metrics = fetch(colo.metrics_port, "/metrics")
     for family in (

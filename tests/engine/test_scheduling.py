@@ -177,7 +177,24 @@ def test_logprobs(
     outs = drain(engine)["r"]
     assert all(o.logprob is not None and o.logprob <= 0.0 for o in outs)
     engine.add_request("n", prompt_ids(engine, 6), SamplingParams(max_tokens=2))
-    assert all(o.logprob is None for o in drain(engine)["n"])
+    assert all(o.logprob is None and o.top_logprobs is None for o in drain(engine)["n"])
+    # top_logprobs: the N most likely tokens, most likely first; greedy picks the first.
+    top = SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3, ignore_eos=True)
+    engine.add_request("t", prompt_ids(engine, 6), top)
+    sampled = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=4, logprobs=True, top_logprobs=1, ignore_eos=True
+    )
+    engine.add_request("s", prompt_ids(engine, 7), sampled)  # same batch, another N
+    outs = drain(engine)
+    for o in outs["t"]:
+        assert o.top_logprobs is not None and len(o.top_logprobs) == 3
+        values = [v for _, v in o.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert o.top_logprobs[0] == (o.token_id, pytest.approx(o.logprob))
+    assert all(o.top_logprobs is not None and len(o.top_logprobs) == 1 for o in outs["s"])
+    for bad in (SamplingParams(top_logprobs=2), SamplingParams(logprobs=True, top_logprobs=21)):
+        with pytest.raises(ValueError, match="top_logprobs"):
+            bad.validate()
 
 
 def test_stop_token_ids_stop_strings_eos_and_length(

@@ -142,6 +142,8 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
                             compute_seconds=max(0.0, compute_end - started),
                             num_cached_tokens=o.num_cached_tokens,
                         )
+                        if o.top_logprobs is not None:
+                            first.top_logprobs.CopyFrom(rt.top_logprobs(o.top_logprobs))
                     if o.finished:
                         finished = True
                 if first is None and finished:

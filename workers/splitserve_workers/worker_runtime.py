@@ -352,6 +352,7 @@ def run_role(role_name: str, args: argparse.Namespace, make_role: Any) -> int:
 def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
     """Proto sampling -> engine SamplingParams; raises ValueError naming the field."""
     from splitserve_workers.engine import SamplingParams
+    from splitserve_workers.engine.sampling import MAX_TOP_LOGPROBS
 
     if p.temperature < 0:
         raise ValueError(f"sampling.temperature: {p.temperature} must be >= 0")
@@ -361,6 +362,10 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         raise ValueError(f"sampling.top_k: {p.top_k} must be >= 0")
     if p.max_tokens < 1:
         raise ValueError(f"sampling.max_tokens: {p.max_tokens} must be at least 1")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"sampling.top_logprobs: {p.top_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}"
+        )
     return SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p if p.top_p > 0 else 1.0,
@@ -370,7 +375,8 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         stop_token_ids=list(p.stop_token_ids),
         stop=list(p.stop),
         ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs > 0,
+        logprobs=p.logprobs > 0 or p.top_logprobs > 0,
+        top_logprobs=p.top_logprobs,
     )
 
 
@@ -378,6 +384,10 @@ def priority_from_proto(p: int) -> Any:
     from splitserve_workers.engine import Priority
 
     return Priority.BACKGROUND if p == serving_pb2.PRIORITY_BACKGROUND else Priority.INTERACTIVE
+
+
+def top_logprobs(pairs: list[tuple[int, float]]) -> serving_pb2.TopLogprobs:
+    return serving_pb2.TopLogprobs(token_ids=[t for t, _ in pairs], logprobs=[v for _, v in pairs])
 
 
 def token_event(outputs: list[Any]) -> serving_pb2.TokenEvent:
@@ -388,6 +398,8 @@ def token_event(outputs: list[Any]) -> serving_pb2.TokenEvent:
             ev.token_ids.append(o.token_id)
             if o.logprob is not None:
                 ev.logprobs.append(o.logprob)
+            if o.top_logprobs is not None:
+                ev.top_logprobs.append(top_logprobs(o.top_logprobs))
         if o.finished:
             ev.finished = True
             ev.finish_reason = o.finish_reason or ""

@@ -306,7 +306,7 @@ class LLMEngine:
                 if seq.generator is not None:
                     assert seq.params.seed is not None
                     seq.generator.manual_seed(_token_seed(seq.params.seed, seq.num_output_tokens))
-            tokens, logprobs = sample(
+            tokens, logprobs, tops = sample(
                 logits, [s.params for s in sampled], [s.generator for s in sampled]
             )
         except Exception:
@@ -345,7 +345,7 @@ class LLMEngine:
                 if seq.status is SequenceStatus.WAITING:
                     self.scheduler.waiting.remove(seq)
                     self.scheduler.add_running(seq)
-                outputs.append(self._append_token(seq, tokens[j], logprobs[j]))
+                outputs.append(self._append_token(seq, tokens[j], logprobs[j], tops[j]))
             self._stats = self._snapshot(
                 IterationStats(
                     batch_size=len(seqs),
@@ -355,12 +355,20 @@ class LLMEngine:
             )
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> TokenOutput:
+    def _append_token(
+        self,
+        seq: Sequence,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None = None,
+    ) -> TokenOutput:
         seq.token_ids.append(token)
         reason = "prefill_done" if seq.prefill_only else self._stop_reason(seq, token)
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, token, logprob)
+        out = self._output(seq, token, logprob)
+        out.top_logprobs = top
+        return out
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -2,7 +2,8 @@
 
 Greedy rows are one batched argmax; random rows are sampled one by one with the request's own
 torch.Generator so a seeded request gives the same tokens whatever else shares its batch.
-Logprobs are the model's raw log-softmax (before temperature/top-k/top-p) of the chosen token.
+Logprobs are the model's raw log-softmax (before temperature/top-k/top-p) of the chosen token,
+and with top_logprobs of the N most likely tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampler does)
 
 
@@ -25,6 +27,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also the N most likely tokens per step (0-20)
 
     def validate(self) -> None:
         if not self.temperature >= 0.0:
@@ -39,6 +42,12 @@ class SamplingParams:
             raise ValueError("stop: every stop string must be a non-empty string")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: every entry must be a non-negative integer")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs: {self.top_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -69,19 +78,29 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> tuple[list[int], list[float | None]]:
-    """logits: [N, vocab] float32, one row per sequence. Returns token ids and logprobs."""
+) -> tuple[list[int], list[float | None], list[list[tuple[int, float]] | None]]:
+    """logits: [N, vocab] float32, one row per sequence. Returns token ids, the chosen tokens'
+    logprobs (rows that asked) and the top_logprobs alternatives (rows that asked)."""
     tokens = torch.argmax(logits, dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:
             tokens[i] = _sample_row(logits[i], p, generators[i])
     logprobs: list[float | None] = [None] * len(params)
+    tops: list[list[tuple[int, float]] | None] = [None] * len(params)
     rows = [i for i, p in enumerate(params) if p.logprobs]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
         chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
-        lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
+        lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
         values = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         for i, value in zip(rows, values, strict=True):
             logprobs[i] = value
-    return tokens, logprobs
+        k = min(max(params[i].top_logprobs for i in rows), lp.shape[-1])
+        if k > 0:
+            top_values, top_ids = lp.topk(k, dim=-1)
+            for r, i in enumerate(rows):
+                n = params[i].top_logprobs
+                if n:
+                    pairs = zip(top_ids[r, :n].tolist(), top_values[r, :n].tolist(), strict=True)
+                    tops[i] = [(int(t), float(v)) for t, v in pairs]
+    return tokens, logprobs, tops

@@ -40,6 +40,9 @@ class TokenOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done"
     num_prompt_tokens: int
     num_cached_tokens: int
+    # With SamplingParams.top_logprobs: the most likely tokens at this step, most likely first,
+    # as (token id, logprob) pairs (raw distribution, like `logprob`).
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 _arrival = itertools.count()

@@ -7,6 +7,7 @@ Used by LLMEngine (stop strings, EOS) and by the router (prompts in, text out). 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +26,22 @@ def _raise_exception(message: str) -> None:
 
     raise jinja2.exceptions.TemplateError(message)
 
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's bytes_to_unicode), inverted."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # Prompt tokens decoded in front of the output, as vLLM does: SentencePiece-style (Metaspace)
 # decoders drop the leading space of a sequence's first token, which is right for a prompt but
@@ -83,6 +100,15 @@ class Tokenizer:
                 eos.append(tid)
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))
 
+        # For token_bytes: byte-level BPE (GPT-2's byte alphabet) or SentencePiece-style pieces
+        # (▁ for a space, <0xHH> byte fallback); added tokens stand for their own text.
+        spec = json.loads(path.read_text())
+        decoder = spec.get("decoder") or {}
+        parts = decoder.get("decoders") or [decoder]
+        self._byte_level = any(d.get("type") == "ByteLevel" for d in parts if isinstance(d, dict))
+        self._added_ids = {int(t["id"]) for t in spec.get("added_tokens") or [] if "id" in t}
+        self._token_bytes: dict[int, bytes] = {}
+
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -108,6 +134,36 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (logprobs' `bytes`): exact for byte-level BPE and for
+        SentencePiece-style vocabularies (▁ is a space, <0xHH> one byte); a token may hold part
+        of a UTF-8 character. b"" for an id outside the tokenizer's vocabulary."""
+        raw = self._token_bytes.get(token_id)
+        if raw is not None:
+            return raw
+        piece = self._tok.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+        if piece is None:
+            raw = b""
+        elif token_id in self._added_ids:
+            raw = piece.encode()
+        elif self._byte_level:
+            raw = bytes(_BYTE_OF_CHAR.get(c, 0x3F) for c in piece)
+        elif (m := _BYTE_PIECE.fullmatch(piece)) is not None:
+            raw = bytes([int(m.group(1), 16)])
+        else:
+            raw = piece.replace("\u2581", " ").encode()
+        self._token_bytes[token_id] = raw
+        return raw
+
+    def token_text(self, token_id: int) -> tuple[str, bytes]:
+        """(text, bytes) of one token as OpenAI's logprobs show it: the text, or for a token
+        that is only part of a UTF-8 character, `bytes:` and its bytes escaped (`bytes:\\xe2`)."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
     def apply_chat_template(
         self,

@@ -367,6 +367,8 @@ class Router:
                 stop_token_ids=req.stop_token_ids,
                 stop=req.stop,
                 ignore_eos=req.ignore_eos,
+                logprobs=1 if req.logprobs else 0,
+                top_logprobs=req.top_logprobs,
             )
             if req.seed is not None:
                 sampling.seed = req.seed
@@ -468,27 +470,54 @@ class _Run:
                 code="draining",
             ) from None
 
-    async def _chunks(self) -> AsyncIterator[tuple[str, str | None]]:
-        """(text delta, finish_reason or None) per worker event; the last has a reason."""
+    async def _chunks(self) -> AsyncIterator[tuple[str, str | None, list[api.TokenLogprob]]]:
+        """(text delta, finish_reason or None, the event's tokens' logprobs if asked) per worker
+        event; the last has a reason."""
         tokens = self.flow.tokens()
         try:
             async for chunk in tokens:
                 self._observe(chunk)
                 text = self.detok.add(chunk.token_ids)
+                entries = self._logprobs(chunk)
                 if self.detok.stopped:
                     self.finish_reason = "stop"
-                    yield text, "stop"
+                    yield text, "stop", entries
                     return  # closing `tokens` aborts the rest on the workers
                 if chunk.finished:
                     self.finish_reason = chunk.finish_reason or "stop"
-                    yield text + self.detok.finish(), self.finish_reason
+                    yield text + self.detok.finish(), self.finish_reason, entries
                     return
                 # One chunk per token event even when its text is empty (held back for a stop
                 # string, an incomplete character, a token without text): clients time tokens
                 # by chunks, and an empty delta is valid OpenAI streaming.
-                yield text, None
+                yield text, None, entries
         finally:
             await tokens.aclose()  # type: ignore[attr-defined]
+
+    def _logprobs(self, chunk: TokenChunk) -> list[api.TokenLogprob]:
+        if not self.req.logprobs:
+            return []
+        tok = self.router.tokenizer
+        entries = []
+        # A worker sends one logprob per token when asked; a shorter list is a worker that
+        # did not (an older one): those tokens get no entry rather than a made-up value.
+        for i, (token_id, logprob) in enumerate(zip(chunk.token_ids, chunk.logprobs, strict=False)):
+            text, raw = tok.token_text(token_id)
+            top = chunk.top_logprobs[i] if i < len(chunk.top_logprobs) else []
+            alternatives = [(*tok.token_text(t), value) for t, value in top]
+            entries.append(api.TokenLogprob(text, raw, logprob, alternatives))
+        return entries
+
+    def _logprobs_object(
+        self, entries: list[api.TokenLogprob], offset: int
+    ) -> dict[str, Any] | None:
+        """choices[].logprobs for these tokens (None unless asked); `offset`: the text length of
+        the tokens before them (legacy completions' text_offset)."""
+        if not self.req.logprobs:
+            return None
+        if self.req.kind == "chat":
+            return api.chat_logprobs(entries)
+        return api.completion_logprobs(entries, offset)
 
     def _observe(self, chunk: TokenChunk) -> None:
         if chunk.token_ids:
@@ -500,24 +529,40 @@ class _Run:
 
     async def complete(self) -> web.Response:
         parts: list[str] = [self.prompt_text] if self.req.echo else []
+        entries: list[api.TokenLogprob] = []
         with self._cut_is_an_error():
-            async for text, _reason in self._chunks():
+            async for text, _reason, chunk_entries in self._chunks():
                 parts.append(text)
+                entries += chunk_entries
         self.status = "ok"
         text = "".join(parts)
         build = api.chat_response if self.req.kind == "chat" else api.completion_response
         return web.json_response(
-            build(self.rid, self.model, self.created, text, self.finish_reason, self.usage())
+            build(
+                self.rid,
+                self.model,
+                self.created,
+                text,
+                self.finish_reason,
+                self.usage(),
+                self._logprobs_object(entries, 0),
+            )
         )
 
-    def _chunk(self, text: str, reason: str | None, first: bool = False) -> dict[str, Any]:
+    def _chunk(
+        self,
+        text: str,
+        reason: str | None,
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if self.req.kind == "chat":
             delta: dict[str, Any] = {"content": text} if text or not reason else {}
             if first:
                 delta = {"role": "assistant", "content": text}
-            chunk = api.chat_chunk(self.rid, self.model, self.created, delta, reason)
+            chunk = api.chat_chunk(self.rid, self.model, self.created, delta, reason, logprobs)
         else:
-            chunk = api.completion_chunk(self.rid, self.model, self.created, text, reason)
+            chunk = api.completion_chunk(self.rid, self.model, self.created, text, reason, logprobs)
         if self.req.include_usage:
             # OpenAI: every chunk before the usage chunk carries `usage: null`; with
             # continuous_usage_stats, the totals so far.
@@ -542,19 +587,22 @@ class _Run:
             await response.prepare(request)
             pending = [first] if first is not None else []
             is_first = True
+            offset = 0  # text length of the tokens whose logprobs went out (text_offset)
             try:
                 with self._cut_is_an_error():
                     while True:
                         if pending:
-                            text, reason = pending.pop()
+                            text, reason, entries = pending.pop()
                         else:
                             item = await anext(chunks, None)
                             if item is None:
                                 break
-                            text, reason = item
+                            text, reason, entries = item
                         if is_first and self.req.echo:
                             text = self.prompt_text + text
-                        await response.write(api.sse(self._chunk(text, reason, is_first)))
+                        logprobs = self._logprobs_object(entries, offset)
+                        offset += sum(len(e.text) for e in entries)
+                        await response.write(api.sse(self._chunk(text, reason, is_first, logprobs)))
                         is_first = False
                         if reason:
                             break

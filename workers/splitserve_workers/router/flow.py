@@ -41,6 +41,10 @@ class TokenChunk:
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    # When the request asked for them, one entry per token id: its logprob, and the most
+    # likely (token id, logprob) pairs at that step.
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -189,19 +193,34 @@ class Flow:
     def _chunk(self, event: serving_pb2.TokenEvent) -> TokenChunk:
         """Clips a worker's event to max_tokens / stop ids, so a worker that over-generates
         cannot make the router over-answer."""
-        ids: list[int] = []
-        for token_id in event.token_ids:
-            ids.append(token_id)
+        chunk = TokenChunk([])
+        for i, token_id in enumerate(event.token_ids):
+            chunk.token_ids.append(token_id)
+            if i < len(event.logprobs):
+                chunk.logprobs.append(event.logprobs[i])
+            if i < len(event.top_logprobs):
+                top = event.top_logprobs[i]
+                chunk.top_logprobs.append(list(zip(top.token_ids, top.logprobs, strict=True)))
             self._sent += 1
             reason = self._finish_reason_at(token_id)
             if reason is not None:
-                return TokenChunk(ids, True, reason)
+                chunk.finished, chunk.finish_reason = True, reason
+                return chunk
         if event.finished:
             reason = event.finish_reason or "stop"
             if reason in ("error", "abort"):
                 raise FlowError(502, f"worker ended the request with {reason!r}")
-            return TokenChunk(ids, True, reason)
-        return TokenChunk(ids)
+            chunk.finished, chunk.finish_reason = True, reason
+        return chunk
+
+    def _first_event(self, first: serving_pb2.FirstToken) -> serving_pb2.TokenEvent:
+        """The prefill worker's first token as a token event (with its logprobs if asked)."""
+        event = serving_pb2.TokenEvent(token_ids=[first.token_id])
+        if self.req.sampling.logprobs or self.req.sampling.top_logprobs:
+            event.logprobs.append(first.logprob)
+        if self.req.sampling.top_logprobs:
+            event.top_logprobs.append(first.top_logprobs)
+        return event
 
     # ---- disaggregated -----------------------------------------------------------------
 
@@ -399,7 +418,7 @@ class Flow:
                             self.stats.prefill_queue_seconds = first.queue_seconds
                             self.stats.prefill_compute_seconds = first.compute_seconds
                             self.stats.num_cached_tokens = first.num_cached_tokens
-                            chunk = self._chunk(serving_pb2.TokenEvent(token_ids=[first.token_id]))
+                            chunk = self._chunk(self._first_event(first))
                             yield chunk
                             if chunk.finished:
                                 return  # finally aborts the reservation and the transfer

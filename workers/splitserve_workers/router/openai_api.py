@@ -76,6 +76,8 @@ class GenerationRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     priority: str = "interactive"
     echo: bool = False
+    logprobs: bool = False  # the sampled tokens' logprobs
+    top_logprobs: int = 0  # and this many most likely tokens at each step
 
     @property
     def prompt_param(self) -> str:
@@ -172,8 +174,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -221,8 +221,13 @@ _COMMON = {
     *_NEUTRAL,
     *_IGNORED,
 }
-COMPLETION_PARAMS = _COMMON | {"prompt", "echo"}
-CHAT_PARAMS = (_COMMON | {"messages", "max_completion_tokens"}) - {"suffix", "best_of"}
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "logprobs"}
+CHAT_PARAMS = (_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}) - {
+    "suffix",
+    "best_of",
+}
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
+MAX_TOP_LOGPROBS = 20  # and for chat's top_logprobs
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -398,6 +403,19 @@ def parse_completion(body: dict[str, Any], header_priority: str | None = None) -
     if req.max_tokens is None:
         req.max_tokens = 16  # OpenAI's documented default for completions
     req.echo = bool(_bool(body, "echo"))
+    # The legacy API: logprobs N returns the sampled token's logprob and the N most likely
+    # (0 included: the sampled one only).
+    n = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    if n is not None:
+        if req.echo:
+            raise APIError(
+                400,
+                "'logprobs' together with 'echo' asks for the prompt's logprobs, which this "
+                "server does not compute; drop one of them",
+                param="logprobs",
+                code="unsupported_parameter",
+            )
+        req.logprobs, req.top_logprobs = True, n
     return req
 
 
@@ -452,6 +470,12 @@ def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> Gene
     req.max_tokens = max_tokens if max_completion_tokens is None else max_completion_tokens
     if max_completion_tokens is not None:
         req.max_tokens_param = "max_completion_tokens"
+    req.logprobs = bool(_bool(body, "logprobs"))
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None:
+        if top and not req.logprobs:
+            raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
+        req.top_logprobs = top
     return req
 
 
@@ -470,32 +494,45 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def completion_response(
-    rid: str, model: str, created: int, text: str, finish_reason: str | None, use: dict[str, Any]
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    use: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": use,
-    }
+    # The whole answer has the shape of one chunk, plus usage.
+    return {**completion_chunk(rid, model, created, text, finish_reason, logprobs), "usage": use}
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str, finish_reason: str | None
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
     }
 
 
 def chat_response(
-    rid: str, model: str, created: int, text: str, finish_reason: str | None, use: dict[str, Any]
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    use: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -506,7 +543,7 @@ def chat_response(
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -515,14 +552,65 @@ def chat_response(
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's logprob entry, already turned into text (TokenText)."""
+
+    text: str
+    raw: bytes
+    logprob: float
+    top: list[tuple[str, bytes, float]]  # most likely first
+
+
+def _entry(text: str, raw: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """choices[].logprobs of the chat API for these tokens."""
+    content = [
+        {**_entry(e.text, e.raw, e.logprob), "top_logprobs": [_entry(*t) for t in e.top]}
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """choices[].logprobs of the legacy completions API for these tokens; `text_offset`: where
+    the first token's text starts in the whole completion text."""
+    offsets: list[int] = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.text)
+    tops = []
+    for e in entries:
+        # The sampled token is always there (legacy API: up to logprobs + 1 entries).
+        top = {text: logprob for text, _raw, logprob in e.top}
+        top.setdefault(e.text, e.logprob)
+        tops.append(top)
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
     }
 
 
