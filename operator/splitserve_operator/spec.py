@@ -17,6 +17,11 @@ from .autoscaler import RatioBounds, Targets, unreachable_ratio
 
 AUTOSCALING_MODES = ("Builtin", "HPA", "KEDA", "Off")
 POOLS = ("router", "prefill", "decode")
+# The pod template's own mounts (podtemplate.py; tests keep the two and the CRD's rule equal):
+# the model is not mounted at, above or under them.
+POD_MOUNTS = ("/etc/splitserve", "/tmp")
+_DOT_SEGMENT = re.compile(r"(^|/)\.\.?(/|$)")
+_CANONICAL_PATH = re.compile(r"^(/[^/]+)+/?$")
 # The router's requests when spec.router.resources is not set: it holds the tokenizer (and the
 # torch import behind it, ~560 MiB resident) and runs the HTTP edge on one event loop.
 ROUTER_DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "768Mi"}}
@@ -226,6 +231,24 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
     )
 
 
+def _check_model_paths(path: str, mount_path: str) -> None:
+    """What the CRD's rules refuse, for objects stored before those rules existed."""
+    if not _CANONICAL_PATH.match(mount_path) or _DOT_SEGMENT.search(mount_path):
+        raise SpecError(
+            f"spec.model.mountPath: {mount_path!r} must be an absolute path other than /, "
+            "without empty, '.' or '..' segments"
+        )
+    mount = mount_path.rstrip("/") + "/"
+    for own in POD_MOUNTS:
+        if (own + "/").startswith(mount) or mount.startswith(own + "/"):
+            raise SpecError(
+                f"spec.model.mountPath: {mount_path!r} must not be, contain or lie under "
+                f"{own}, where the pods mount their config and scratch space"
+            )
+    if _DOT_SEGMENT.search(path):
+        raise SpecError(f"spec.model.path: {path!r} must not contain '.' or '..' segments")
+
+
 def parse_spec(spec: dict[str, Any] | None) -> Spec:
     """Validate and default an LLMService spec dict; raises SpecError naming the field."""
     if not isinstance(spec, dict):
@@ -239,6 +262,7 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
     if not str(model["path"]).startswith("/"):
         raise SpecError(f"spec.model.path: {model['path']!r} must be an absolute path")
     mount_path = model.get("mountPath", "/models")
+    _check_model_paths(str(model["path"]), str(mount_path))
     volume = model.get("volume")
     if volume is not None:
         if not isinstance(volume, dict) or len(volume) != 1:

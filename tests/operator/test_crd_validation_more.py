@@ -19,12 +19,12 @@ import pytest
 import yaml
 from operator_process import CHART, REPO_ROOT
 from splitserve_operator.podtemplate import MODEL_VOLUME, pod_template
-from splitserve_operator.spec import parse_spec
+from splitserve_operator.spec import POD_MOUNTS, SpecError, parse_spec
 
 TINY = yaml.safe_load((REPO_ROOT / "manifests" / "examples" / "tiny-cpu.yaml").read_text())
 CRD = REPO_ROOT / "operator" / "splitserve_operator" / "crd" / "llmservices.splitserve.io.yaml"
 # The pod template's own mounts; the CRD's mountPath rule lists them (checked below).
-TEMPLATE_MOUNTS = ["/etc/splitserve", "/tmp"]
+TEMPLATE_MOUNTS = list(POD_MOUNTS)
 NODE_TERMS = (
     "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms"
 )
@@ -450,6 +450,20 @@ MOUNT_PATHS_VALID = [
     "/tmpfs",
     "/mnt/tmp",
 ]
+
+
+def test_the_operator_refuses_the_same_mount_paths_as_the_crd() -> None:
+    # For LLMServices stored before the CRD's rules existed: parse_spec says the same.
+    for mount_path in MOUNT_PATHS_INVALID:
+        path = mount_path.rstrip("/") + "/m" if mount_path.startswith("/") else "/m"
+        spec = {**TINY["spec"], "model": {"name": "m", "mountPath": mount_path, "path": path}}
+        with pytest.raises(SpecError, match="spec.model.mountPath"):
+            parse_spec(spec)
+    for mount_path in MOUNT_PATHS_VALID:
+        path = mount_path.rstrip("/") + "/m"
+        parse_spec({**TINY["spec"], "model": {"name": "m", "mountPath": mount_path, "path": path}})
+    with pytest.raises(SpecError, match="spec.model.path"):
+        parse_spec({**TINY["spec"], "model": {"name": "m", "path": "/models/../etc"}})
 
 
 @pytest.mark.cluster

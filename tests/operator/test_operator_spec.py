@@ -180,7 +180,7 @@ def test_volume_needs_one_source_and_path_under_mount() -> None:
         ("/models/m", "/models", True),
         ("/models", "/models", True),  # the volume is the model directory itself
         ("/models/m", "/models/", True),
-        ("/m", "/", True),
+        ("/opt/m", "/opt/", True),
         ("/models-old/m", "/models", False),  # a string prefix, not a directory prefix
         ("/modelsm", "/models", False),
     ],
