@@ -532,6 +532,7 @@ def test_completion_logprobs_follow_the_legacy_shape(stack: dict[str, Any], engi
         top[token] == value
         for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
     )
-    # text_offset: where each token's text starts in the completion.
-    lengths = [len(t) for t in lp.tokens]
-    assert lp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    # text_offset: the whole characters of the completion before each token.
+    raws = [engine.tokenizer.token_bytes(o.token_id) for o in expected]
+    want = [len(b"".join(raws[:i]).decode("utf-8", "ignore")) for i in range(len(raws))]
+    assert lp.text_offset == want

@@ -536,11 +536,19 @@ def test_logprobs_objects_have_openai_shapes() -> None:
         ],
     }
     assert chat["content"][1]["bytes"] == [0xC3]
-    legacy = api.completion_logprobs(entries, 10)
+    legacy = api.completion_logprobs(entries, b"0123456789")
     assert legacy["tokens"] == ["He", "bytes:\\xc3"]
     assert legacy["token_logprobs"] == [-0.5, -0.25]
     assert legacy["top_logprobs"] == [{"He": -0.5, "We": -1.5}, {"bytes:\\xc3": -0.25}]
     assert legacy["text_offset"] == [10, 12]
+    # text_offset counts whole characters: "é" split over two tokens, then "x" at 1.
+    split = [
+        api.TokenLogprob("bytes:\\xc3", b"\xc3", -1.0, []),
+        api.TokenLogprob("bytes:\\xa9", b"\xa9", -1.0, []),
+        api.TokenLogprob("x", b"x", -1.0, []),
+    ]
+    assert api.completion_logprobs(split)["text_offset"] == [0, 0, 1]
+    assert api.completion_logprobs(split[2:], b"\xc3\xa9")["text_offset"] == [1]
     # logprobs 0: no alternatives, yet the sampled token is always listed.
-    alone = api.completion_logprobs([api.TokenLogprob("a", b"a", -2.0, [])], 0)
+    alone = api.completion_logprobs([api.TokenLogprob("a", b"a", -2.0, [])])
     assert alone["top_logprobs"] == [{"a": -2.0}]

@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -252,3 +253,30 @@ async def test_long_prompt_is_tokenized_off_the_event_loop(client: TestClient) -
     assert r.status == 400
     assert (await r.json())["error"]["code"] == "context_length_exceeded"
     assert answered_meanwhile >= 5, answered_meanwhile
+
+
+async def test_drain_deadline_cuts_a_request_still_being_tokenized(tiny_model: Path) -> None:
+    # Tokenizing runs on a thread, before the request is generating; the drain deadline must
+    # answer it too (503 draining), not leave it to be dropped when the server closes. The
+    # tokenizer here waits for the test to let it finish, so the deadline surely lands while
+    # it is busy.
+    router = router_on_nothing(tiny_model)
+    release = threading.Event()
+    encode = router.tokenizer.encode
+
+    def held_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        release.wait(30)
+        return encode(text, add_special_tokens)  # type: ignore[no-any-return]
+
+    router.tokenizer.encode = held_encode
+    async with TestClient(TestServer(router.app())) as c:
+        answer = asyncio.create_task(c.post("/v1/completions", json={"prompt": "hi"}))
+        while not router.tokenizing:
+            await asyncio.sleep(0.01)
+        router.cut_in_flight()
+        r = await answer
+        release.set()
+        assert r.status == 503
+        error = (await r.json())["error"]
+        assert error["code"] == "draining" and "before generation started" in error["message"]
+        assert not router.tokenizing and router.in_flight == 0

@@ -402,3 +402,39 @@ def test_a_prefill_only_prompt_streaming_its_kv_is_never_preempted(
     assert len(sent) == len(set(sent))  # every (layer, token start) sent once
     assert [o.finish_reason for o in outs["bg"]][-1] and [o.finish_reason for o in outs["fg"]][-1]
     assert engine.stats().free_blocks == 10
+
+
+def test_no_preemption_that_cannot_admit_the_interactive_prompt(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # An interactive prompt needs 6 blocks + the spare; the background request holds 2 and 3
+    # are free: preempting it could not admit the prompt, so it keeps decoding meanwhile.
+    engine = make_engine(block_size=4, num_kv_blocks=10)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("i1", prompt_ids(engine, 18, salt=1), params)  # 5 blocks
+    engine.add_request("bg", prompt_ids(engine, 6, salt=2), params, Priority.BACKGROUND)
+    engine.step()
+    engine.add_request("i2", prompt_ids(engine, 22, salt=3), params)
+    first = engine.step()
+    assert engine.scheduler.preemptions_total == 0
+    assert "bg" in {o.request_id for o in first}  # still decoding
+    outs = drain(engine)
+    assert all(len([o for o in outs[r] if o.token_id is not None]) > 0 for r in ("i2", "bg"))
+    assert engine.stats().free_blocks == 10
+
+
+def test_a_prompt_preempted_mid_prefill_reports_no_cached_tokens_of_its_own(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # Re-admitted after a preemption, a prompt hits the blocks it computed itself; those are
+    # not the client's cache hits (usage.prompt_tokens_details.cached_tokens).
+    engine = make_engine(block_size=4, num_kv_blocks=10, max_batch_tokens=8)
+    engine.add_request(
+        "bg", prompt_ids(engine, 30, salt=2), SamplingParams(max_tokens=1), Priority.BACKGROUND
+    )
+    engine.step()  # 8 of its 30 tokens computed, blocks held
+    engine.add_request("fg", prompt_ids(engine, 9, salt=1), SamplingParams(max_tokens=1))
+    outs = drain(engine)
+    assert engine.scheduler.preemptions_total >= 1
+    assert outs["bg"][-1].num_cached_tokens == 0
+    assert engine.stats().free_blocks == 10

@@ -104,28 +104,27 @@ class Scheduler:
             if not seq.block_table:
                 if not admitting:
                     continue
-                while True:
-                    result = None
-                    if active < self.max_batch_size:
-                        result = self.bm.allocate_with_prefix(
-                            seq.token_ids, seq.num_tokens, watermark
-                        )
-                    if result is not None:
-                        break
+                result = self._allocate(seq, active, watermark)
+                if result is None:
                     # An interactive prompt does not wait behind background work holding the
-                    # cache or the batch slots: the newest lower-priority holder is preempted.
-                    victim = self._victim(seq, (protected or set()) | set(seqs))
-                    if victim is None:
-                        break
-                    self.preempt(victim)
-                    active -= 1
+                    # cache or the batch slots: lower-priority holders are preempted, newest
+                    # first, but only when that lets it in.
+                    keep = (protected or set()) | set(seqs)
+                    for victim in self._victims(seq, keep, active, watermark):
+                        self.preempt(victim)
+                        active -= 1
+                        result = self._allocate(seq, active, watermark)
+                        if result is not None:
+                            break
                 if result is None:
                     admitting = False  # strict order: nothing behind the head jumps ahead
                     continue
                 seq.block_table, seq.block_hashes = result
                 seq.num_computed_tokens = len(seq.block_hashes) * self.bm.block_size
-                if seq.num_output_tokens == 0:
+                if not seq.admitted and seq.num_output_tokens == 0:
+                    # Hits at a later admission (after a preemption) are mostly its own blocks.
                     seq.num_cached_tokens = seq.num_computed_tokens
+                seq.admitted = True
                 active += 1
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seqs.append(seq)
@@ -165,17 +164,38 @@ class Scheduler:
             return None, too_long
         return ScheduledBatch(False, batch, [1] * len(batch), num_decode=len(batch)), too_long
 
-    def _victim(self, seq: Sequence, keep: set[Sequence]) -> Sequence | None:
-        """The newest holder of blocks with a lower priority than `seq`, to preempt so `seq`
-        can be admitted; None if there is none. Never a prefill-only sequence part-way through
-        its prompt: its KV already streamed to a decode worker, and recomputing it would send
-        those chunks twice."""
-        holders = [
-            s
-            for s in [*self.running, *(w for w in self.waiting if w.block_table)]
-            if s.priority > seq.priority and s not in keep and not s.prefill_only
-        ]
-        return max(holders, key=lambda s: s.sort_key, default=None)
+    def _allocate(
+        self, seq: Sequence, active: int, watermark: int
+    ) -> tuple[list[int], list[int]] | None:
+        if active >= self.max_batch_size:
+            return None
+        return self.bm.allocate_with_prefix(seq.token_ids, seq.num_tokens, watermark)
+
+    def _victims(
+        self, seq: Sequence, keep: set[Sequence], active: int, watermark: int
+    ) -> list[Sequence]:
+        """Holders of blocks with a lower priority than `seq`, newest first, as many as it
+        takes to admit `seq` (a batch slot and its blocks without counting prefix hits); none
+        when all of them would not do, since preempting them would gain nothing. Never a
+        prefill-only sequence part-way through its prompt: its KV already streamed to a decode
+        worker, and recomputing it would send those chunks twice."""
+        holders = sorted(
+            (
+                s
+                for s in [*self.running, *(w for w in self.waiting if w.block_table)]
+                if s.priority > seq.priority and s not in keep and not s.prefill_only
+            ),
+            key=lambda s: s.sort_key,
+            reverse=True,
+        )
+        need = self.bm.blocks_for(seq.num_tokens) + watermark
+        free = self.bm.num_free_blocks
+        for n, victim in enumerate(holders, 1):
+            # Blocks another sequence shares (a prefix) stay allocated when the victim goes.
+            free += sum(1 for b in victim.block_table if self.bm.blocks[b].ref_count == 1)
+            if free >= need and active - n < self.max_batch_size:
+                return holders[:n]
+        return []
 
     def preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV (or a partly prefilled prompt's) and queue it again;

@@ -136,6 +136,8 @@ class Router:
         # Prompts are tokenized (and chat templates rendered) here; two threads, so a burst of
         # long prompts queues instead of taking every core from the event loop.
         self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        # Handlers waiting for their prompt's tokens -> why they were cut (None: not cut).
+        self.tokenizing: dict[asyncio.Task[Any], str | None] = {}
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
         # Model vocabularies are often padded past the tokenizer's: the model's size decides.
         self.vocab_size = options.vocab_size or getattr(tokenizer, "vocab_size", None)
@@ -249,14 +251,19 @@ class Router:
         """The drain deadline: every request still generating is cancelled as if its client had
         hung up (which aborts it on the workers) and answered 503 `draining` instead."""
         pending = [run for run in self.runs if run.cuttable]
-        if pending and not any(run.cut_reason for run in pending):
-            log.warning("drain timeout: %d requests still in flight are cut", len(pending))
+        tokenizing = [task for task, why in self.tokenizing.items() if why is None]
+        if (pending and not any(run.cut_reason for run in pending)) or tokenizing:
+            count = len(pending) + len(tokenizing)
+            log.warning("drain timeout: %d requests still in flight are cut", count)
         why = (
             "the router is shutting down and its drain timeout "
             f"({self.options.drain_timeout:g}s) has passed"
         )
         for run in pending:
             run.cut(why)
+        for task in tokenizing:
+            self.tokenizing[task] = why
+            task.cancel()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -312,6 +319,28 @@ class Router:
         assert req.prompt is not None
         return self.tokenizer.encode(req.prompt, add_special_tokens=True), req.prompt
 
+    async def _tokenize(self, req: api.GenerationRequest) -> tuple[list[int], str]:
+        """_prompt_ids off the event loop: a prompt of megabytes takes seconds to tokenize, and
+        every other stream, /health and /ready would wait for it. Meanwhile the request is in
+        `tokenizing`, where the drain deadline finds it too (cut_in_flight)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.tokenizing[task] = None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.tokenize_pool, self._prompt_ids, req
+            )
+        except asyncio.CancelledError:
+            why = self.tokenizing.get(task)
+            if why is None:
+                raise  # the client hung up
+            task.uncancel()  # answered, not cancelled
+            raise api.APIError(
+                503, f"{why}; the request was cut before generation started", code="draining"
+            ) from None
+        finally:
+            self.tokenizing.pop(task, None)
+
     def _check_length(self, req: api.GenerationRequest, n_prompt: int) -> int:
         limit = self.options.max_model_len
         if n_prompt >= limit:
@@ -352,11 +381,7 @@ class Router:
             )
             if req.model:
                 self._check_model(req.model)
-            # Off the event loop: a prompt of megabytes takes seconds to tokenize, and every
-            # other stream, /health and /ready would wait for it.
-            prompt_ids, prompt_text = await asyncio.get_running_loop().run_in_executor(
-                self.tokenize_pool, self._prompt_ids, req
-            )
+            prompt_ids, prompt_text = await self._tokenize(req)
             max_tokens = self._check_length(req, len(prompt_ids))
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             sampling = serving_pb2.SamplingParams(
@@ -509,15 +534,15 @@ class _Run:
         return entries
 
     def _logprobs_object(
-        self, entries: list[api.TokenLogprob], offset: int
+        self, entries: list[api.TokenLogprob], before: bytes
     ) -> dict[str, Any] | None:
-        """choices[].logprobs for these tokens (None unless asked); `offset`: the text length of
-        the tokens before them (legacy completions' text_offset)."""
+        """choices[].logprobs for these tokens (None unless asked); `before`: the bytes of the
+        tokens before them (for legacy completions' text_offset)."""
         if not self.req.logprobs:
             return None
         if self.req.kind == "chat":
             return api.chat_logprobs(entries)
-        return api.completion_logprobs(entries, offset)
+        return api.completion_logprobs(entries, before)
 
     def _observe(self, chunk: TokenChunk) -> None:
         if chunk.token_ids:
@@ -545,7 +570,7 @@ class _Run:
                 text,
                 self.finish_reason,
                 self.usage(),
-                self._logprobs_object(entries, 0),
+                self._logprobs_object(entries, b""),
             )
         )
 
@@ -587,7 +612,7 @@ class _Run:
             await response.prepare(request)
             pending = [first] if first is not None else []
             is_first = True
-            offset = 0  # text length of the tokens whose logprobs went out (text_offset)
+            sent = b""  # bytes of the tokens whose logprobs went out (for text_offset)
             try:
                 with self._cut_is_an_error():
                     while True:
@@ -600,8 +625,8 @@ class _Run:
                             text, reason, entries = item
                         if is_first and self.req.echo:
                             text = self.prompt_text + text
-                        logprobs = self._logprobs_object(entries, offset)
-                        offset += sum(len(e.text) for e in entries)
+                        logprobs = self._logprobs_object(entries, sent)
+                        sent += b"".join(e.raw for e in entries)
                         await response.write(api.sse(self._chunk(text, reason, is_first, logprobs)))
                         is_first = False
                         if reason:

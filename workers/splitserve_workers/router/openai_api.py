@@ -593,13 +593,16 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
-    """choices[].logprobs of the legacy completions API for these tokens; `text_offset`: where
-    the first token's text starts in the whole completion text."""
+def completion_logprobs(entries: list[TokenLogprob], before: bytes = b"") -> dict[str, Any]:
+    """choices[].logprobs of the legacy completions API for these tokens; `before`: the bytes
+    of the completion's tokens before them. text_offset counts the whole characters before
+    each token, so a token holding part of a character (shown as `bytes:\\xNN`) moves it on
+    only once its character is complete."""
     offsets: list[int] = []
+    raw = before
     for e in entries:
-        offsets.append(text_offset)
-        text_offset += len(e.text)
+        offsets.append(len(raw.decode("utf-8", errors="ignore")))
+        raw += e.raw
     tops = []
     for e in entries:
         # The sampled token is always there (legacy API: up to logprobs + 1 entries).
