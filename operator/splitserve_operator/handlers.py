@@ -39,6 +39,8 @@ AUTOSCALER_THREADS = 4
 # this long: a lasting fault retried every few seconds, or met again at every resync, would
 # otherwise add an Event each time (kopf posts a new Event per call, never a count).
 WARNING_REPEAT_SECONDS = 600.0
+# Warnings about applying the children; a clean apply ends them.
+APPLY_FAULTS = ("ApplyFailed", "ChildConflict", "InvalidSpec")
 
 log = logging.getLogger("splitserve.operator")
 
@@ -52,20 +54,36 @@ class Operator:
         self._served: dict[str, tuple[float, bool]] = {}
         self._lock = threading.Lock()
         self._reconciling: dict[tuple[str, str], threading.RLock] = {}
-        self._warned: dict[tuple[str, str, str], tuple[str, float]] = {}
+        # Per LLMService uid and reason: the last Warning posted and when.
+        self._warned: dict[tuple[str, str], tuple[str, float]] = {}
+        # Per (namespace, name): the apply fault of the last reconcile, (reason, message), so a
+        # status write between reconciles (a child Deployment changed) keeps saying it.
+        self._faults: dict[tuple[str, str], tuple[str, str]] = {}
 
     def warn(self, body: kopf.Body, reason: str, message: str) -> None:
-        """A Warning Event, unless this LLMService got the same one in the last
+        """A Warning Event, unless this LLMService (this uid) got the same one in the last
         WARNING_REPEAT_SECONDS (status carries the fault meanwhile)."""
-        meta = body.meta
-        key = (meta["namespace"], meta["name"], reason)
+        key = (str(body.meta.get("uid")), reason)
         now = time.monotonic()
         with self._lock:
             last = self._warned.get(key)
             if last is not None and last[0] == message and now - last[1] < WARNING_REPEAT_SECONDS:
                 return
+            # Entries of deleted LLMServices go once they could no longer hold anything back.
+            stale = [k for k, (_, at) in self._warned.items() if now - at >= WARNING_REPEAT_SECONDS]
+            for k in stale:
+                del self._warned[k]
             self._warned[key] = (message, now)
         kopf.warn(body, reason=reason, message=message)
+
+    def _settled(self, body: kopf.Body) -> None:
+        """The LLMService's children applied cleanly: a fault that comes back later is new, and
+        warned about again at once."""
+        uid = str(body.meta.get("uid"))
+        with self._lock:
+            for key in [k for k in self._warned if k[0] == uid and k[1] in APPLY_FAULTS]:
+                del self._warned[key]
+            self._faults.pop((body.meta["namespace"], body.meta["name"]), None)
 
     def _serves(self, group_version: str, plurals: tuple[str, ...]) -> bool:
         """Whether the cluster serves these kinds (a discovery answer cached for a minute)."""
@@ -142,23 +160,26 @@ class Operator:
             if why == "change" and prune_error is not None:
                 raise prune_error
         except ChildConflict as e:
-            self.write_status(namespace, name, error=str(e), error_reason="ChildConflict")
+            self._fault(namespace, name, "ChildConflict", str(e))
             self.warn(body, "ChildConflict", str(e))
             # Waits on someone freeing the name (which raises no event the operator watches).
             raise kopf.TemporaryError(str(e), delay=30) from e
         except KubeError as e:
-            self.write_status(namespace, name, error=str(e))
+            self._fault(namespace, name, "ReconcileFailed", str(e))
             self.warn(body, "ApplyFailed", str(e))
-            # A refusal of the content (a 422) does not pass by itself: retry less often.
-            transient = e.status >= 500 or e.status in (409, 429)
-            raise kopf.TemporaryError(str(e), delay=10 if transient else 60) from e
+            # Short: kopf keeps a pending retry's delay even when the spec changes, so this is
+            # also how long a user's fix waits.
+            raise kopf.TemporaryError(str(e), delay=10) from e
+        self._settled(body)
         # Missing at a resync or after a child's deletion, a child was deleted by someone
-        # (ConfigMaps and PDBs are not watched: the resync finds them). Monitors are the
-        # exception: they appear at a resync when the Prometheus operator was installed later.
+        # (ConfigMaps and PDBs are not watched: the resync finds them). Monitors and
+        # ScaledObjects are the exception: they appear at a resync when the Prometheus
+        # operator or KEDA was installed later.
         repaired = [
             c
             for c in outcome.created
-            if why != "change" and not c.startswith(("ServiceMonitor ", "PodMonitor "))
+            if why != "change"
+            and not c.startswith(("ServiceMonitor ", "PodMonitor ", "ScaledObject "))
         ]
         created = [c for c in outcome.created if c not in repaired]
         if repaired:
@@ -285,14 +306,17 @@ class Operator:
             deleted.append(str(ref))
         return deleted
 
+    def _fault(self, namespace: str, service: str, reason: str, message: str) -> None:
+        with self._lock:
+            self._faults[(namespace, service)] = (reason, message)
+        self.write_status(namespace, service)
+
     def write_status(
         self,
         namespace: str,
         service: str,
         applied_generation: int | None = None,
-        error: str | None = None,
         invalid: str | None = None,
-        error_reason: str = "ReconcileFailed",
     ) -> None:
         """Recompute status from freshly read Deployments and write it, conditional on the
         LLMService's resourceVersion: writers (reconcile, the Deployment watch) race, and a
@@ -300,6 +324,8 @@ class Operator:
         state with older. applied_generation: the generation whose children were just applied
         (None keeps status.observedGeneration)."""
         ref = Ref(f"{GROUP}/{VERSION}", "LLMService", namespace, service)
+        with self._lock:
+            error_reason, error = self._faults.get((namespace, service), ("", None))
         for _ in range(5):
             body = self.kube.get(ref)
             if body is None or body["metadata"].get("deletionTimestamp"):
@@ -333,7 +359,7 @@ class Operator:
                     previous_conditions=previous,
                     now=now_rfc3339(),
                     error=error,
-                    error_reason=error_reason,
+                    error_reason=error_reason or "ReconcileFailed",
                     trouble=self.pool_trouble(namespace, service, deployments),
                     autoscaler=status.get("autoscaler"),
                     **self.scalers(namespace, service, spec),

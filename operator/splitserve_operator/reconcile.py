@@ -77,18 +77,34 @@ class ChildConflict(Exception):
         )
 
 
+# An object without a controller is adopted when these labels match the child's: the
+# operator's own orphan (same instance, same component), never a stranger's object.
+_ADOPTION_LABELS = (
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+)
+
+
 def _owner_uid(obj: dict[str, Any]) -> str:
     (owner,) = obj["metadata"]["ownerReferences"]
     return str(owner["uid"])
 
 
-def not_ours(live: dict[str, Any], uid: str) -> str | None:
-    """Why `live` is not a child of the LLMService with `uid`; None when it is."""
-    refs = live.get("metadata", {}).get("ownerReferences") or []
+def not_ours(live: dict[str, Any], desired: dict[str, Any]) -> str | None:
+    """Why `live` is not a child of the LLMService `desired` belongs to; None when it is, or
+    when it is an orphan of that LLMService's name (its labels say the operator made it for
+    that instance: `kubectl delete --cascade=orphan` and a re-create), which is adopted."""
+    meta = live.get("metadata", {})
+    refs = meta.get("ownerReferences") or []
     controller = next((r for r in refs if r.get("controller")), None)
-    if controller is not None and controller.get("uid") == uid:
+    if controller is not None and controller.get("uid") == _owner_uid(desired):
         return None
     if controller is None:
+        labels = meta.get("labels") or {}
+        wanted = desired["metadata"]["labels"]
+        if all(wanted.get(k) and labels.get(k) == wanted[k] for k in _ADOPTION_LABELS):
+            return None
         return "it has no controller"
     same_name = controller.get("kind") == "LLMService"
     held_by = f"{controller.get('kind')} {controller.get('name')}"
@@ -138,7 +154,7 @@ def apply_children(
     conflicts = [
         f"{Ref.of(obj)} ({why})"
         for obj, live in zip(objects, lives, strict=True)
-        if live is not None and (why := not_ours(live, _owner_uid(obj)))
+        if live is not None and (why := not_ours(live, obj))
     ]
     if conflicts:
         raise ChildConflict(conflicts)

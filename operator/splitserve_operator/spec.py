@@ -19,7 +19,8 @@ AUTOSCALING_MODES = ("Builtin", "HPA", "KEDA", "Off")
 POOLS = ("router", "prefill", "decode")
 # The pod template's own mounts (podtemplate.py; tests keep the two and the CRD's rule equal):
 # the model is not mounted at, above or under them.
-POD_MOUNTS = ("/etc/splitserve", "/tmp")
+CONFIG_MOUNT = "/etc/splitserve"
+POD_MOUNTS = (CONFIG_MOUNT, "/tmp")
 _DOT_SEGMENT = re.compile(r"(^|/)\.\.?(/|$)")
 _CANONICAL_PATH = re.compile(r"^(/[^/]+)+/?$")
 # The router's requests when spec.router.resources is not set: it holds the tokenizer (and the
@@ -240,10 +241,12 @@ def _check_model_paths(path: str, mount_path: str) -> None:
         )
     mount = mount_path.rstrip("/") + "/"
     for own in POD_MOUNTS:
-        if (own + "/").startswith(mount) or mount.startswith(own + "/"):
+        # At or above a pod mount hides it; under the read-only config it cannot be created
+        # (under /tmp, a writable emptyDir, is a nested mount that works).
+        if (own + "/").startswith(mount) or (own == CONFIG_MOUNT and mount.startswith(own + "/")):
             raise SpecError(
-                f"spec.model.mountPath: {mount_path!r} must not be, contain or lie under "
-                f"{own}, where the pods mount their config and scratch space"
+                f"spec.model.mountPath: {mount_path!r} must not be or contain /etc/splitserve "
+                "or /tmp, nor lie under /etc/splitserve (the pods' read-only config)"
             )
     if _DOT_SEGMENT.search(path):
         raise SpecError(f"spec.model.path: {path!r} must not contain '.' or '..' segments")

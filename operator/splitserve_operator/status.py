@@ -358,11 +358,11 @@ def compute_status(
 
     if error:
         degraded = (True, error_reason, error)
+    elif failures:
+        degraded = (True, "DeploymentFailing", "; ".join(f"{p}: {m}" for p, m in failures.items()))
     elif spec.autoscaling_mode == "KEDA" and keda_problem:
         # The pools run, but nothing sizes them as the spec asks.
         degraded = (True, keda_problem[0], keda_problem[1])
-    elif failures:
-        degraded = (True, "DeploymentFailing", "; ".join(f"{p}: {m}" for p, m in failures.items()))
     else:
         degraded = (False, "AsExpected", "no failures reported")
 

@@ -431,7 +431,7 @@ def test_crd_mount_rule_lists_every_mount_of_the_pod_template() -> None:
 MOUNT_PATHS_INVALID = [
     *TEMPLATE_MOUNTS,
     *(m + "/" for m in TEMPLATE_MOUNTS),
-    *(m + "/models" for m in TEMPLATE_MOUNTS),
+    "/etc/splitserve/models",  # under the read-only config volume: cannot be created
     "/etc",  # above /etc/splitserve: would hide the rest of /etc too
     "/",
     "models",
@@ -443,6 +443,7 @@ MOUNT_PATHS_INVALID = [
     "/models/.",
 ]
 MOUNT_PATHS_VALID = [
+    "/tmp/models",  # nested in the writable /tmp emptyDir: works (installs before had it)
     "/models",
     "/models/",
     "/opt/models",

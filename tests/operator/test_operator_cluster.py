@@ -257,6 +257,37 @@ def test_objects_it_does_not_own_are_never_taken_over(
     assert ours["metadata"]["ownerReferences"][0]["name"] == "tiny"
 
 
+def test_a_conflict_stays_in_status_between_retries(
+    control_plane: Any, operator: OperatorProcess, namespace: str
+) -> None:
+    # Status is also written when a child Deployment changes (pods come and go). Such a write
+    # between two reconcile retries used to forget the conflict and say Ready.
+    cp = control_plane
+    apply(cp, namespace, TINY)
+    wait_ready(cp, namespace, "tiny")
+    cp.kubectl("delete", "pdb", "-n", namespace, "tiny-router")
+    cp.kubectl(
+        "create", "pdb", "-n", namespace, "tiny-router", "--selector=app=mine", "--min-available=1"
+    )
+    # The next resync meets the stranger's PDB.
+    wait_until(
+        lambda: conditions(llms(cp, namespace, "tiny") or {})["Ready"]["reason"] == "ChildConflict",
+        "Ready False ChildConflict",
+        90,
+    )
+    # Nothing reconciles meanwhile, so this scale stands and its Deployment events write status.
+    cp.kubectl("scale", "-n", namespace, "deployment/tiny-router", "--replicas=2")
+    current = wait_until(
+        lambda: (
+            (o := llms(cp, namespace, "tiny")) and o["status"]["router"]["readyReplicas"] == 2 and o
+        ),
+        "status written from the scaled router Deployment",
+    )
+    for kind in ("Ready", "Degraded"):
+        assert conditions(current)[kind]["reason"] == "ChildConflict", conditions(current)[kind]
+    assert "PodDisruptionBudget" in conditions(current)["Ready"]["message"]
+
+
 def test_ready_message_says_why_a_pool_cannot_schedule(
     control_plane: Any, operator: OperatorProcess, namespace: str
 ) -> None:

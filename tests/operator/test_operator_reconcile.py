@@ -242,8 +242,8 @@ def test_a_lasting_warning_is_posted_once_per_repeat_period(
     posted: list[tuple[str, str]] = []
     monkeypatch.setattr("kopf.warn", lambda body, reason, message: posted.append((reason, message)))
     operator = Operator(RecordingKube(), OperatorConfig())  # type: ignore[arg-type]
-    body = kopf.Body({"metadata": {"namespace": "ns", "name": "chat"}})  # type: ignore[typeddict-item]
-    other = kopf.Body({"metadata": {"namespace": "ns", "name": "other"}})  # type: ignore[typeddict-item]
+    body = kopf.Body({"metadata": {"namespace": "ns", "name": "chat", "uid": "u1"}})  # type: ignore[typeddict-item]
+    other = kopf.Body({"metadata": {"namespace": "ns", "name": "other", "uid": "u2"}})  # type: ignore[typeddict-item]
     for _ in range(5):
         operator.warn(body, "ApplyFailed", "HTTP 422: bad toleration")
     operator.warn(other, "ApplyFailed", "HTTP 422: bad toleration")  # another LLMService
@@ -252,8 +252,40 @@ def test_a_lasting_warning_is_posted_once_per_repeat_period(
         ("ApplyFailed", "HTTP 422: another fault")
     ]
     # After the repeat period the same warning is posted again.
-    key = ("ns", "chat", "ApplyFailed")
+    key = ("u1", "ApplyFailed")
     message, at = operator._warned[key]
     operator._warned[key] = (message, at - WARNING_REPEAT_SECONDS)
     operator.warn(body, "ApplyFailed", "HTTP 422: another fault")
     assert len(posted) == 4
+    # A namesake LLMService (another uid) is warned at once; so is a fault that comes back
+    # after a clean apply (_settled).
+    namesake = kopf.Body({"metadata": {"namespace": "ns", "name": "chat", "uid": "u3"}})  # type: ignore[typeddict-item]
+    operator.warn(namesake, "ApplyFailed", "HTTP 422: another fault")
+    assert len(posted) == 5
+    operator._settled(body)
+    operator.warn(body, "ApplyFailed", "HTTP 422: another fault")
+    assert len(posted) == 6
+
+
+def test_its_own_orphans_are_adopted_and_strangers_are_not() -> None:
+    # `kubectl delete llms chat --cascade=orphan` strips the owner references; re-created,
+    # the LLMService takes its children back (their labels say whose they are).
+    kube = RecordingKube()
+    objs = children("Off")
+    apply_children(kube, objs, "Off")  # type: ignore[arg-type]
+    for live in kube.objects.values():
+        live["metadata"].pop("ownerReferences")
+    adopted = copy.deepcopy(objs)
+    for obj in adopted:
+        obj["metadata"]["ownerReferences"][0]["uid"] = "new-uid"
+    apply_children(kube, adopted, "Off")  # type: ignore[arg-type]
+    assert all(
+        live["metadata"]["ownerReferences"][0]["uid"] == "new-uid" for live in kube.objects.values()
+    )
+    # The same name with another instance's labels (or none) is a stranger's.
+    config = next(o for o in objs if o["kind"] == "ConfigMap")
+    ref = Ref.of(config)
+    kube.objects[ref]["metadata"]["ownerReferences"] = []
+    kube.objects[ref]["metadata"]["labels"]["app.kubernetes.io/instance"] = "someone-else"
+    with pytest.raises(ChildConflict, match="no controller"):
+        apply_children(kube, adopted, "Off")  # type: ignore[arg-type]
