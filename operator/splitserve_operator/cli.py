@@ -143,6 +143,11 @@ def settings_for(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
     settings.persistence.finalizer = f"{KOPF_PREFIX}/finalizer"
     settings.posting.level = logging.INFO
+    # Events say who wrote them (`kubectl describe`'s From column): the operator, and which
+    # replica (the pod's name), rather than kopf's "kopf"/"dev".
+    settings.posting.reporting_component = MANAGED_BY
+    settings.posting.reporting_instance = os.environ.get("HOSTNAME", "") or MANAGED_BY
+    settings.posting.event_name_prefix = f"{MANAGED_BY}-"
     settings.watching.server_timeout = 300
     settings.peering.stealth = True
     # The API server filters the children's watches (Deployments, Services) to ours, so the

@@ -119,7 +119,11 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
         assert pod["status"]["phase"] == "Running" and ready.get("Ready") == "True"
         assert pod["spec"]["nodeName"].startswith("kwok-node-")
 
-    assert "Created" in {e["reason"] for e in tiny_events(cp, namespace)}
+    events = tiny_events(cp, namespace)
+    assert "Created" in {e["reason"] for e in events}
+    # `kubectl describe`'s From column names the operator, not kopf.
+    assert {e["source"]["component"] for e in events} == {"splitserve-operator"}
+    assert {e["reportingComponent"] for e in events} == {"splitserve-operator"}
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.port}/healthz") as r:
         assert r.status == 200
 
