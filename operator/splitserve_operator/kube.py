@@ -33,6 +33,15 @@ class KubeError(RuntimeError):
     def __init__(self, status: int, method: str, path: str, message: str) -> None:
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
         self.status = status
+        self.message = message  # the server's own words
+
+    def applying(self, what: str) -> KubeError:
+        """The same error, told as a kubectl user reads it (status, Events): which child the
+        API server refused and why, e.g. "applying Deployment ns/x: Deployment.apps "x" is
+        invalid: ... (HTTP 422)", instead of the request line."""
+        err = KubeError(self.status, "", "", self.message)
+        err.args = (f"applying {what}: {self.message} (HTTP {self.status})",)
+        return err
 
 
 @dataclass(frozen=True)

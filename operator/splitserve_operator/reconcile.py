@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import FIELD_MANAGER, REPLICAS_FIELD_MANAGER
-from .kube import Kube, Ref
+from .kube import Kube, KubeError, Ref
 
 
 @dataclass
@@ -160,11 +160,14 @@ def apply_children(
         raise ChildConflict(conflicts)
     outcome = Outcome()
     for obj, live in zip(objects, lives, strict=True):
-        if obj["kind"] == "Deployment":
-            apply_deployment(kube, obj, mode, outcome, wake_from_zero, live)
-            continue
         ref = Ref.of(obj)
-        result = kube.apply(obj, FIELD_MANAGER)
+        try:
+            if obj["kind"] == "Deployment":
+                apply_deployment(kube, obj, mode, outcome, wake_from_zero, live)
+                continue
+            result = kube.apply(obj, FIELD_MANAGER)
+        except KubeError as e:
+            raise e.applying(str(ref)) from e
         if live is None:
             outcome.created.append(str(ref))
         elif changed(live, result):

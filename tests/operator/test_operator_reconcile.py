@@ -289,3 +289,23 @@ def test_its_own_orphans_are_adopted_and_strangers_are_not() -> None:
     kube.objects[ref]["metadata"]["labels"]["app.kubernetes.io/instance"] = "someone-else"
     with pytest.raises(ChildConflict, match="no controller"):
         apply_children(kube, adopted, "Off")  # type: ignore[arg-type]
+
+
+def test_a_refused_child_is_named_in_the_error() -> None:
+    # What status and the ApplyFailed Event say: which child, in the server's words, not the
+    # request line ("PATCH /apis/apps/v1/namespaces/ns/deployments/chat-decode: HTTP 422: ...").
+    # The refusal is injected: the CRD's rules now keep such specs from the API server.
+    class RefusingKube(RecordingKube):
+        def apply(self, obj: dict[str, Any], manager: str, force: bool = True) -> dict[str, Any]:
+            if Ref.of(obj) == DECODE:
+                raise KubeError(
+                    422, "PATCH", DECODE.path(), 'Deployment.apps "chat-decode" is invalid'
+                )
+            return super().apply(obj, manager, force)
+
+    with pytest.raises(KubeError) as err:
+        apply_children(RefusingKube(), children("Off"), "Off")  # type: ignore[arg-type]
+    assert str(err.value) == (
+        'applying Deployment ns/chat-decode: Deployment.apps "chat-decode" is invalid (HTTP 422)'
+    )
+    assert err.value.status == 422
