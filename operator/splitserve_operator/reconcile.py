@@ -135,12 +135,19 @@ def apply_deployment(
         outcome.created.append(str(ref))
     else:
         result = kube.apply(without_replicas(obj), FIELD_MANAGER)
+        # Deleted after it was read: the apply made a new one, with the API server's default
+        # of one replica. It gets the spec's, as a creation does.
+        recreated = result["metadata"].get("uid") != live["metadata"].get("uid")
         live_replicas = int(result["spec"].get("replicas", -1))
-        if (sized_by_spec and live_replicas != desired) or (
-            mode == "HPA" and wake_from_zero and live_replicas == 0 and desired > 0
+        if (
+            (sized_by_spec and live_replicas != desired)
+            or (mode == "HPA" and wake_from_zero and live_replicas == 0 and desired > 0)
+            or (recreated and live_replicas != desired)
         ):
             result = kube.apply(replicas_patch(obj, desired), REPLICAS_FIELD_MANAGER)
-        if changed(live, result):
+        if recreated:
+            outcome.created.append(str(ref))
+        elif changed(live, result):
             outcome.updated.append(str(ref))
     outcome.deployments[component] = result
 
