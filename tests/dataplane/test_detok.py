@@ -8,42 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from sentencepiece_tokenizers import sp_tokenizer as make_sp_tokenizer
 from splitserve_workers.engine.tokenizer import PROMPT_CONTEXT_TOKENS, Tokenizer
 from splitserve_workers.router.detok import IncrementalDetokenizer
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-SPECIALS = ["<unk>", "<s>", "</s>"]
 WORDS = ["▁is", "▁tomato", "▁a", "▁red", "▁fruit", "▁the", "▁日本", "▁not"]
 
 
 def sp_tokenizer(style: str) -> HFTokenizer:
-    """A hand-written Unigram vocabulary: "metaspace" has a Metaspace pre-tokenizer and decoder;
-    "llama" is Llama-2/Mistral's layout (normalizer prepends "▁", byte fallback, decoder
-    Replace/ByteFallback/Fuse/Strip)."""
-    pieces = [(s, 0.0) for s in SPECIALS]
-    if style == "llama":
-        pieces += [(f"<0x{b:02X}>", 0.0) for b in range(256)]
-    pieces += [("▁", -5.0)] + [(w, -1.0) for w in WORDS]
-    pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz"]
-    tok = HFTokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=style == "llama"))
-    if style == "llama":
-        tok.normalizer = normalizers.Sequence(
-            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-        )
-        tok.decoder = decoders.Sequence(
-            [
-                decoders.Replace("▁", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
-            ]
-        )
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.add_special_tokens(SPECIALS)
-    return tok
+    """WORDS and the letters over the SentencePiece-style layouts (sentencepiece_tokenizers)."""
+    pieces = [(w, -1.0) for w in WORDS] + [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    return make_sp_tokenizer(style, pieces)
 
 
 @pytest.fixture(scope="module", params=["metaspace", "llama"])

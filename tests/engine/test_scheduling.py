@@ -21,6 +21,19 @@ def drain(engine: LLMEngine) -> dict[str, list[TokenOutput]]:
     return outs
 
 
+def record_victims(engine: LLMEngine) -> list[str]:
+    """The request ids the scheduler preempts from now on, in order."""
+    victims: list[str] = []
+    preempt = engine.scheduler.preempt
+
+    def spy(seq):  # type: ignore[no-untyped-def]
+        victims.append(seq.request_id)
+        preempt(seq)
+
+    engine.scheduler.preempt = spy  # type: ignore[method-assign]
+    return victims
+
+
 def test_free_blocks_return_after_requests_aborts_releases_and_errors(
     make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
 ) -> None:
@@ -92,14 +105,7 @@ def test_preemption_victim_is_lowest_priority_then_newest(
     make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
 ) -> None:
     engine = make_engine(block_size=4, num_kv_blocks=9)
-    victims: list[str] = []
-    preempt = engine.scheduler.preempt
-
-    def spy(seq):  # type: ignore[no-untyped-def]
-        victims.append(seq.request_id)
-        preempt(seq)
-
-    engine.scheduler.preempt = spy  # type: ignore[method-assign]
+    victims = record_victims(engine)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     engine.add_request("old-background", prompt_ids(engine, 8, salt=1), params, Priority.BACKGROUND)
     engine.add_request("interactive-1", prompt_ids(engine, 8, salt=2), params)
@@ -364,14 +370,7 @@ def test_running_interactive_sequence_preempts_a_background_chunked_prefill(
     engine.add_request("fg", fg_prompt, fg_params, Priority.INTERACTIVE)
     first = [o.token_id for o in engine.step()]  # fg's prompt and first token
     engine.add_request("bg", bg_prompt, bg_params, Priority.BACKGROUND)
-    victims: list[str] = []
-    preempt = engine.scheduler.preempt
-
-    def spy(seq):  # type: ignore[no-untyped-def]
-        victims.append(seq.request_id)
-        preempt(seq)
-
-    engine.scheduler.preempt = spy  # type: ignore[method-assign]
+    victims = record_victims(engine)
     outs = drain(engine)
     fg_tokens = first + [o.token_id for o in outs["fg"] if o.token_id is not None]
     bg_tokens = [o.token_id for o in outs["bg"] if o.token_id is not None]

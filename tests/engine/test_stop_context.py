@@ -13,38 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from sentencepiece_tokenizers import SPECIALS
+from sentencepiece_tokenizers import sp_tokenizer as make_sp_tokenizer
 from splitserve_workers.engine import LLMEngine, SamplingParams
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-SPECIALS = ["<unk>", "<s>", "</s>"]
+from tokenizers import Tokenizer
 
 
 def sp_tokenizer(style: str, vocab_size: int) -> Tokenizer:
-    """A hand-written Unigram vocabulary of vocab_size pieces, "▁w0", "▁w1", ...: "metaspace"
-    has a Metaspace pre-tokenizer and decoder; "llama" is Llama-2/Mistral's layout (normalizer
-    prepends "▁", byte fallback, decoder Replace/ByteFallback/Fuse/Strip)."""
-    pieces = [(s, 0.0) for s in SPECIALS]
-    if style == "llama":
-        pieces += [(f"<0x{b:02X}>", 0.0) for b in range(256)]
-    pieces.append(("▁", -5.0))
-    pieces += [(f"▁w{i}", -1.0) for i in range(vocab_size - len(pieces))]
-    tok = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=style == "llama"))
-    if style == "llama":
-        tok.normalizer = normalizers.Sequence(
-            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-        )
-        tok.decoder = decoders.Sequence(
-            [
-                decoders.Replace("▁", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
-            ]
-        )
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.add_special_tokens(SPECIALS)
+    """vocab_size pieces over a SentencePiece-style layout (sentencepiece_tokenizers): the
+    layout's own, then "▁w0", "▁w1", ..."""
+    fixed = len(SPECIALS) + (256 if style == "llama" else 0) + 1
+    tok = make_sp_tokenizer(style, [(f"▁w{i}", -1.0) for i in range(vocab_size - fixed)])
     assert tok.get_vocab_size() == vocab_size
     return tok
 

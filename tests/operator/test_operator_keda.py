@@ -175,6 +175,23 @@ def keda_status(*conds: tuple[str, str, str], hpa: str = "keda-hpa-x") -> dict[s
 READY = ("Ready", "True", "ScaledObjectReady")
 
 
+def keda_conditions(**scalers: Any) -> dict[str, dict[str, Any]]:
+    """Status conditions of SPEC (mode KEDA, no Deployments yet) by type, given what
+    compute_status hears about KEDA (scaled_objects, hpas, keda_problem)."""
+    st = compute_status(
+        service="chat",
+        namespace="team-a",
+        spec=parse_spec(SPEC),
+        generation=1,
+        observed_generation=1,
+        deployments={},
+        previous_conditions=None,
+        now="2026-11-30T00:00:00Z",
+        **scalers,
+    )
+    return {c["type"]: c for c in st["conditions"]}
+
+
 def test_keda_condition_reads_what_keda_writes() -> None:
     problem = ("KEDANotInstalled", "install KEDA")
     assert keda_condition("chat", {}, problem) == (False, "KEDANotInstalled", "install KEDA")
@@ -228,19 +245,7 @@ def test_status_in_mode_keda_names_keda_and_its_hpas_limits() -> None:
             ]
         }
     }
-    st = compute_status(
-        service="chat",
-        namespace="team-a",
-        spec=parse_spec(SPEC),
-        generation=1,
-        observed_generation=1,
-        deployments={},
-        previous_conditions=None,
-        now="2026-11-30T00:00:00Z",
-        scaled_objects=scaled,
-        hpas={"prefill": None, "decode": limited_hpa},
-    )
-    conds = {c["type"]: c for c in st["conditions"]}
+    conds = keda_conditions(scaled_objects=scaled, hpas={"prefill": None, "decode": limited_hpa})
     assert (conds["Autoscaling"]["status"], conds["Autoscaling"]["reason"]) == (
         "True",
         "KEDAActive",
@@ -260,18 +265,7 @@ def test_status_without_keda_is_degraded_and_says_no_limits_apply() -> None:
     # an HPA is within its limits when there is none.
     problem = keda_problem(parse_spec(SPEC), OperatorConfig(), False)
     assert problem is not None
-    st = compute_status(
-        service="chat",
-        namespace="team-a",
-        spec=parse_spec(SPEC),
-        generation=1,
-        observed_generation=1,
-        deployments={},
-        previous_conditions=None,
-        now="2026-11-30T00:00:00Z",
-        keda_problem=problem,
-    )
-    conds = {c["type"]: c for c in st["conditions"]}
+    conds = keda_conditions(keda_problem=problem)
     assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == (
         "True",
         "KEDANotInstalled",
