@@ -397,10 +397,12 @@ class LLMEngine:
             text = self.tokenizer.decode(seq.token_ids[-window:], skip_special_tokens=False)
             return any(s in text for s in stop)
         out = seq.token_ids[seq.num_prompt_tokens :]
-        ctx, ctx_text = prompt_context(
-            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
-            seq.token_ids[: seq.num_prompt_tokens],
-        )
+        if seq.stop_context is None:  # the prompt does not change: decoded once per request
+            seq.stop_context = prompt_context(
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+                seq.token_ids[: seq.num_prompt_tokens],
+            )
+        ctx, ctx_text = seq.stop_context
         text = self.tokenizer.decode(ctx + out, skip_special_tokens=False)
         if text.startswith(ctx_text):
             text = text[len(ctx_text) :]

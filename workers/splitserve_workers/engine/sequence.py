@@ -73,6 +73,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.admitted = False  # given blocks at least once (a preempted one is re-admitted)
+        # The prompt's last ids and their text, for stop strings (LLMEngine._hit_stop_string).
+        self.stop_context: tuple[list[int], str] | None = None
         self.kv_exported = 0  # tokens already handed to on_kv (prefix hits are exported once)
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
