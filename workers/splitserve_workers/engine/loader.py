@@ -97,7 +97,11 @@ def load_model(
                         if len(fused_seen[target]) == len(sizes):
                             loaded.add(target)
                 del tensor
-    missing = sorted(set(params) - loaded)
+    missing = [
+        hf
+        for target in sorted(set(params) - loaded)
+        for hf in _checkpoint_names(target, fused_seen.get(target, set()))
+    ]
     if missing:
         raise ValueError(
             f"model directory {str(model_dir)!r} is missing weights: {', '.join(missing[:8])}"
@@ -108,6 +112,22 @@ def load_model(
         model.transpose_logits_weight()
     model.eval()
     return model
+
+
+def _checkpoint_names(target: str, shards_seen: set[int]) -> list[str]:
+    """The checkpoint's names for our parameter `target` (the inverse of _map_name), without
+    the shards of a fused parameter that did arrive: what a missing-weights error names."""
+    if not target.startswith("layers."):
+        return ["lm_head.weight" if target == "lm_head.weight" else f"model.{target}"]
+    _, _, rest = target.partition(".")
+    layer, _, rest = rest.partition(".")
+    module, _, leaf = rest.rpartition(".")
+    names = [
+        f"model.layers.{layer}.{hf}.{leaf}"
+        for hf, (fused, shard) in _FUSED.items()
+        if fused == module and shard not in shards_seen
+    ]
+    return names or [f"model.{target}"]
 
 
 def _map_name(name: str) -> tuple[str, int | None]:

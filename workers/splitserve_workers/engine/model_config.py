@@ -18,6 +18,14 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
 )
 
+# transformers' max_position_embeddings default per architecture, for configs without the key.
+_DEFAULT_MAX_POSITIONS = {
+    "LlamaForCausalLM": 2048,
+    "Qwen2ForCausalLM": 32768,
+    "Qwen3ForCausalLM": 32768,
+    "MistralForCausalLM": 4096 * 32,
+}
+
 
 @dataclass
 class ModelConfig:
@@ -65,11 +73,13 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        # Absent keys take transformers' defaults for the family (its config classes').
+        max_pos = int(cfg.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]))
         max_len = max_pos
         # Sliding-window attention equals full attention for sequences inside the window, so a
         # model with an active window is served up to the window length (no window kernel).
-        window = cfg.get("sliding_window")
+        # MistralConfig's window defaults to 4096: a config without the key has one.
+        window = cfg.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
         window_active = window is not None and (
             arch == "MistralForCausalLM" or bool(cfg.get("use_sliding_window", False))
         )

@@ -1,5 +1,6 @@
-"""Tokenizer: tokenizer.json through the `tokenizers` library, the chat template from
-tokenizer_config.json rendered with jinja2, and the EOS ids from generation_config.json.
+"""Tokenizer: tokenizer.json through the `tokenizers` library, the chat template
+(chat_template.jinja, else tokenizer_config.json) rendered with jinja2 the way transformers
+renders it, and the EOS ids from generation_config.json.
 
 Used by LLMEngine (stop strings, EOS) and by the router (prompts in, text out). No transformers.
 """
@@ -25,6 +26,47 @@ def _raise_exception(message: str) -> None:
     import jinja2
 
     raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter, not jinja's: jinja's escapes <, >, & and ' as \u003c etc., turns
+    # non-ASCII into \uXXXX and sorts keys, so tool calls and tool results would render (and
+    # tokenize) differently from the prompt the model was trained on.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _template_environment() -> Any:
+    """The jinja environment transformers compiles chat templates in: sandboxed, trim_blocks and
+    lstrip_blocks, loop controls ({% break %}, {% continue %}), its {% generation %} tag (which
+    marks assistant text for training masks; here it renders its body unchanged), its tojson,
+    raise_exception and strftime_now."""
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.sandbox
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _gpt2_byte_alphabet() -> dict[str, int]:
@@ -65,10 +107,13 @@ def prompt_context(
     return [], ""
 
 
+class NoChatTemplate(ValueError):
+    """The model ships no chat template: a property of the model, not of the messages."""
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         # Imported here so the model code imports on a box that has torch only (GPU bench).
-        import jinja2.sandbox
         from tokenizers import Tokenizer as HFTokenizer
 
         model_dir = Path(model_dir)
@@ -81,7 +126,13 @@ class Tokenizer:
             cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
-        self.chat_template = self._pick_template(cfg.get("chat_template"))
+        # transformers >= 4.43 saves the template as chat_template.jinja (and, since 5, no longer
+        # in tokenizer_config.json); when both exist the file wins, as in transformers.
+        template_file = model_dir / "chat_template.jinja"
+        if template_file.is_file():
+            self.chat_template: str | None = template_file.read_text()
+        else:
+            self.chat_template = self._pick_template(cfg.get("chat_template"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
         # EOS ids: generation_config.json is what generate() uses; config.json and the
@@ -109,9 +160,7 @@ class Tokenizer:
         self._added_ids = {int(t["id"]) for t in spec.get("added_tokens") or [] if "id" in t}
         self._token_bytes: dict[int, bytes] = {}
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env = _template_environment()
         self._template = env.from_string(self.chat_template) if self.chat_template else None
 
     @staticmethod
@@ -174,7 +223,10 @@ class Tokenizer:
         """Render messages to prompt text. Encode the result with add_special_tokens=False:
         templates write their own BOS."""
         if self._template is None:
-            raise ValueError("tokenizer_config.json has no chat_template")
+            raise NoChatTemplate(
+                "the model has no chat template (neither chat_template.jinja nor "
+                "tokenizer_config.json's chat_template); use /v1/completions"
+            )
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"messages[{i}]: expected an object with 'role' and 'content'")

@@ -29,6 +29,7 @@ from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from splitserve_workers.config import ConfigError, ServingConfig
+from splitserve_workers.engine.tokenizer import NoChatTemplate
 from splitserve_workers.metrics import RouterMetrics, router_metrics
 from splitserve_workers.proto import serving_pb2
 from splitserve_workers.router import openai_api as api
@@ -85,12 +86,11 @@ def model_config(model_dir: str) -> dict[str, Any]:
 
 
 def model_max_len(model_dir: str) -> int:
-    """The context limit from the model's config.json (what the workers' engines also use)."""
-    cfg = model_config(model_dir)
-    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
-        if isinstance(cfg.get(key), int):
-            return int(cfg[key])
-    raise ValueError(f"{model_dir}/config.json has no max_position_embeddings")
+    """The context limit the workers' engines use: max_position_embeddings, or an active
+    sliding window when it is shorter (ModelConfig, the engine's own parse)."""
+    from splitserve_workers.engine.model_config import ModelConfig
+
+    return ModelConfig.from_dir(model_dir).max_model_len
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -302,6 +302,8 @@ class Router:
             assert req.messages is not None
             try:
                 text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            except NoChatTemplate as e:  # the model's fault, not the messages'
+                raise api.APIError(400, str(e), code="no_chat_template") from e
             except Exception as e:  # a template may reject a message order (raise_exception)
                 raise api.invalid("messages", f"chat template rejected the messages: {e}") from e
             # The template writes its own BOS.
