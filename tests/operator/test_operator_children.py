@@ -176,28 +176,38 @@ def test_a_pool_that_may_scale_to_zero_keeps_the_router_ready() -> None:
     assert "--ready-without-workers" not in router_args("Off", 0)
 
 
+@pytest.mark.parametrize(("grace", "drain"), [(180, "175"), (30, "25"), (6, "3"), (1, "0.5")])
+def test_every_container_drains_within_the_pods_grace_period(grace: int, drain: str) -> None:
+    # The kubelet SIGKILLs at the grace period: a drain that outlasts it ends streams with no
+    # error event; one far shorter cuts requests the pod had time for.
+    spec = copy.deepcopy(SPEC)
+    spec["terminationGracePeriodSeconds"] = grace
+    children = build(spec)
+    for component in ("router", "prefill", "decode"):
+        pod = children[("Deployment", f"chat-{component}")]["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        args = pod["containers"][0]["args"]
+        assert args[args.index("--drain-timeout") + 1] == drain
+        assert float(drain) < grace
+
+
 @pytest.mark.parametrize(
     ("component", "args"),
     [
         (
             "prefill",
-            [
-                "prefill",
-                "--config",
-                CONFIG_PATH_IN_POD,
-                "--port",
-                "50051",
-                "--metrics-port",
-                "9100",
-            ],
+            ["prefill", "--config", CONFIG_PATH_IN_POD, "--port", "50051", "--metrics-port", "9100",
+             "--drain-timeout", "115"],
         ),
         (
             "decode",
-            ["decode", "--config", CONFIG_PATH_IN_POD, "--port", "50052", "--metrics-port", "9100"],
+            ["decode", "--config", CONFIG_PATH_IN_POD, "--port", "50052", "--metrics-port", "9100",
+             "--drain-timeout", "115"],
         ),
-        ("router", ["router", "--config", CONFIG_PATH_IN_POD, "--port", "8000"]),
+        ("router", ["router", "--config", CONFIG_PATH_IN_POD, "--port", "8000",
+                    "--drain-timeout", "115"]),
     ],
-)
+)  # fmt: skip
 def test_worker_container_contract(component: str, args: list[str]) -> None:
     dep = build()[("Deployment", f"chat-{component}")]
     pod = dep["spec"]["template"]["spec"]
