@@ -646,6 +646,9 @@ def up(directory: Path, nodes: int) -> Path:
     if state.exists():
         raise PlaneError(f"{state} exists: run `down --dir {directory}` first")
     directory.mkdir(parents=True, exist_ok=True)
+    # Every `up` is a fresh cluster: etcd data left by an earlier plane (a `down` before this
+    # one removed it; a killed `up` may not have) would bring back its objects and Nodes.
+    _remove_data(directory)
     plane = ControlPlane(workdir=directory, nodes=nodes, die_with_parent=False)
     plane.start()
     return plane.detach()
@@ -660,7 +663,13 @@ def down(directory: Path) -> bool:
     for pgid in reversed(list(state["pgids"].values())):
         kill_group(int(pgid))
     state_path.unlink()
+    _remove_data(directory)
     return True
+
+
+def _remove_data(directory: Path) -> None:
+    """The cluster's state (etcd's data); logs stay for a look after `down`."""
+    shutil.rmtree(directory / "etcd-data", ignore_errors=True)
 
 
 def env_lines(directory: Path) -> list[str]:
