@@ -135,24 +135,21 @@ def test_absent_config_keys_take_the_family_defaults_transformers_uses(
         ours = ModelConfig.from_dir(d)
         hf = AutoConfig.from_pretrained(str(d))
         assert ours.max_position_embeddings == hf.max_position_embeddings, preset
-        window = getattr(hf, "sliding_window", None)
-        active = window is not None and (
-            preset == "tiny-mistral" or getattr(hf, "use_sliding_window", False)
-        )
-        # No window kernel: an active window caps the length the engine serves, and a
-        # Mistral config without the key has transformers' 4096 window.
-        expected = min(hf.max_position_embeddings, window) if active else hf.max_position_embeddings
-        assert ours.max_model_len == expected, preset
-    assert ModelConfig.from_dir(tmp_path / "tiny-mistral").max_model_len == 4096
+        assert ours.max_model_len == hf.max_position_embeddings, preset
+        # A Mistral config without the key has transformers' 4096 window, in every layer.
+        assert ours.sliding_window == getattr(hf, "sliding_window", None), preset
+    mistral = ModelConfig.from_dir(tmp_path / "tiny-mistral")
+    assert mistral.sliding_window == 4096 and mistral.sliding_layers == (0, 1)
 
 
 def test_router_context_limit_is_the_engines(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     d = _config_variant(
         tiny_models["tiny-mistral"], tmp_path / "window", sliding_window=16,
-        max_position_embeddings=1024,
+        max_position_embeddings=96,
     )  # fmt: skip
-    engine = LLMEngine(EngineConfig(model=str(d), device="cpu"))
-    assert model_max_len(str(d)) == engine.model_config.max_model_len == 16
+    engine = LLMEngine(EngineConfig(model=str(d), device="cpu", max_model_len=80))
+    assert model_max_len(str(d)) == ModelConfig.from_dir(d).max_model_len == 96
+    assert engine.model_config.max_model_len == 80
 
 
 def test_missing_weights_are_named_as_the_checkpoint_names_them(

@@ -27,6 +27,33 @@ _DEFAULT_MAX_POSITIONS = {
 }
 
 
+def _sliding_window(
+    cfg: dict[str, Any], arch: str, num_layers: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers that use it), as transformers' config classes decide: Mistral slides
+    in every layer when `sliding_window` is set (its default is 4096); Qwen2/Qwen3 only with
+    `use_sliding_window`, in the layers `layer_types` marks "sliding_attention" or, without
+    it, from `max_window_layers` on. Llama never."""
+    layers: list[int] | range
+    if arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window", 4096)
+        layers = range(num_layers)
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        window = cfg.get("sliding_window", 4096)
+        types = cfg.get("layer_types")
+        if isinstance(types, list) and len(types) == num_layers:
+            layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        else:
+            layers = range(int(cfg.get("max_window_layers", 28)), num_layers)
+    else:
+        return None, ()
+    if window is None:
+        return None, ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"config.json sliding_window: {window!r} must be a positive integer")
+    return window, tuple(layers)
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -50,6 +77,10 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sliding-window attention: a token attends to the last `sliding_window` positions (itself
+    # included) in the layers listed; None/() when no layer has a window.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -76,15 +107,8 @@ class ModelConfig:
         # Absent keys take transformers' defaults for the family (its config classes').
         max_pos = int(cfg.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]))
         max_len = max_pos
-        # Sliding-window attention equals full attention for sequences inside the window, so a
-        # model with an active window is served up to the window length (no window kernel).
-        # MistralConfig's window defaults to 4096: a config without the key has one.
-        window = cfg.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
-        window_active = window is not None and (
-            arch == "MistralForCausalLM" or bool(cfg.get("use_sliding_window", False))
-        )
-        if window_active and int(window or 0) < max_len:
-            max_len = int(window or 0)
+        num_layers = int(cfg["num_hidden_layers"])
+        window, sliding_layers = _sliding_window(cfg, arch, num_layers)
         rope_theta = float(cfg.get("rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling")
         # Configs saved by transformers >= 5 keep both in one `rope_parameters` dict.
@@ -105,7 +129,7 @@ class ModelConfig:
         return cls(
             architecture=arch,
             hidden_size=hidden,
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -124,6 +148,8 @@ class ModelConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=window if sliding_layers else None,
+            sliding_layers=sliding_layers,
         )
 
     @classmethod

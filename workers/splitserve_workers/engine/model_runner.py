@@ -103,20 +103,32 @@ class ModelRunner:
             kv_len=L,
             causal_fresh=uniform and all(st == 0 for st in starts),
         )
-        if not meta.causal_fresh:
-            st_t = torch.tensor(starts)
+        window = self.cfg.sliding_window
+        windowed = window is not None and L > window  # some query is a window past a key
+        if not meta.causal_fresh or windowed:
             n_t = torch.tensor(counts)
             qi = torch.arange(Q)
-            kj = torch.arange(L)
-            mask = kj[None, None, :] <= (st_t[:, None] + qi[None, :])[:, :, None]  # [B, Q, L]
-            pad_rows = qi[None, :] >= n_t[:, None]  # padded query rows attend key 0 only
-            mask = torch.where(pad_rows[:, :, None], kj[None, None, :] == 0, mask)
-            meta.attn_mask = mask.unsqueeze(1).to(self.device)
-            meta.block_tables = tables.to(self.device)
-            if not uniform:
-                meta.pad_index = torch.cat(
-                    [b * Q + torch.arange(n) for b, n in enumerate(counts)]
-                ).to(self.device)
+            kj = torch.arange(L)[None, None, :]
+            q_pos = (torch.tensor(starts)[:, None] + qi[None, :])[:, :, None]  # [B, Q, 1]
+            pad_rows = (qi[None, :] >= n_t[:, None])[:, :, None]  # attend key 0 only
+
+            def with_mask(mask: torch.Tensor, base: AttentionMetadata) -> AttentionMetadata:
+                base.attn_mask = torch.where(pad_rows, kj == 0, mask).unsqueeze(1).to(self.device)
+                base.block_tables = tables.to(self.device)
+                if not uniform:
+                    base.pad_index = torch.cat(
+                        [b * Q + torch.arange(n) for b, n in enumerate(counts)]
+                    ).to(self.device)
+                return base
+
+            if not meta.causal_fresh:
+                with_mask(kj <= q_pos, meta)  # [B, Q, L]
+            if windowed:
+                assert window is not None
+                meta.windowed = with_mask(
+                    (kj <= q_pos) & (kj > q_pos - window),
+                    AttentionMetadata(meta.slot_mapping, B, Q, L),
+                )
 
         hook = self._kv_hook(seqs, starts, counts)
         hidden = self.model(
@@ -160,6 +172,14 @@ class ModelRunner:
         if any(c != L for c in ctx):
             meta.attn_mask = (
                 (torch.arange(L)[None, :] < ctx_t[:, None]).view(B, 1, 1, L).to(self.device)
+            )
+        window = self.cfg.sliding_window
+        if window is not None and L > window:
+            kj = torch.arange(L)[None, :]
+            in_window = (kj < ctx_t[:, None]) & (kj >= ctx_t[:, None] - window)
+            mask = in_window.view(B, 1, 1, L).to(self.device)
+            meta.windowed = AttentionMetadata(
+                meta.slot_mapping, B, 1, L, meta.block_tables, attn_mask=mask
             )
         ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
         hidden = self.model(ids.to(self.device), last.to(self.device), self.kv_cache, meta)

@@ -3,8 +3,10 @@
 New K/V rows are written into the per-layer block pool with one index_copy_ (slot mapping);
 then each sequence's context is gathered from its block table in one indexing op per layer
 for the whole batch and attended with SDPA. Sequences of different lengths are padded to the
-longest one with a boolean mask. GQA is handled by folding the query-head groups into the
-query-length axis, so K/V are never repeated per head. model_runner.py builds the metadata.
+longest one with a boolean mask; sliding-window layers use a second mask that also hides keys
+a window or more behind the query (`windowed`). GQA is handled by folding the query-head
+groups into the query-length axis, so K/V are never repeated per head. model_runner.py builds
+the metadata.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class AttentionMetadata:
     # Every sequence is a whole prompt of the same length with nothing cached: attend to the
     # freshly computed K/V with is_causal (no gather, no explicit mask).
     causal_fresh: bool = False
+    # For the sliding-window layers, when some query is a window or more past a key it could
+    # otherwise see: the same pass with the window in its mask. None: the window cuts nothing.
+    windowed: AttentionMetadata | None = None
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def grouped_mask(self, groups: int) -> torch.Tensor | None:
