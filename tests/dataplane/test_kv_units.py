@@ -17,6 +17,7 @@ from splitserve_workers.kv_transfer import (
     _Batch,
     check_compatible,
     encode_kv_chunk,
+    model_fingerprint,
     parse_kv_chunk,
     slice_bytes,
     tensor_bytes,
@@ -243,3 +244,18 @@ def test_release_waits_for_imports_in_flight() -> None:
     assert released == ["r"]
     assert not table.fail(res, Failure(grpc.StatusCode.CANCELLED, "x", "cancelled"), 2.0)
     assert released == ["r"]  # exactly once
+
+
+def test_fingerprint_tells_checkpoints_of_one_architecture_apart(tmp_path) -> None:
+    import shutil
+
+    from splitserve_workers.engine.make_model import write_model
+
+    a = write_model("tiny-llama", tmp_path / "a", seed=1)
+    copy = shutil.copytree(a, tmp_path / "copy")
+    other = write_model("tiny-llama", tmp_path / "other", seed=2)  # same config, new weights
+    assert (a / "config.json").read_bytes() == (other / "config.json").read_bytes()
+    assert model_fingerprint(a, "m") == model_fingerprint(copy, "m")  # where it lives is moot
+    assert model_fingerprint(a, "m") != model_fingerprint(other, "m")
+    assert model_fingerprint(a, "m").startswith("m@")
+    assert model_fingerprint(a).startswith("a@")

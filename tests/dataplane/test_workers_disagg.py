@@ -119,6 +119,10 @@ async def test_reserve_refuses_when_full_and_incompatible(
     spec = load.model
     ok = await stub.Reserve(pb.ReserveRequest(request_id="a", model=spec, num_prompt_tokens=40))
     assert ok.accepted and ok.lease_ms > 0
+    # The gauges show the reservation at once, with no engine iteration since (read at scrape).
+    held = fetch(decode.metrics_port, "/metrics")
+    assert metric_value(held, "splitserve_kv_blocks_free") == ok.free_blocks < 4
+    assert metric_value(held, "splitserve_kv_cache_usage_ratio") == (4 - ok.free_blocks) / 4
     full = await stub.Reserve(pb.ReserveRequest(request_id="b", model=spec, num_prompt_tokens=40))
     assert not full.accepted and full.reason == "no_free_blocks"
     wrong = pb.ModelSpec()
@@ -134,6 +138,7 @@ async def test_reserve_refuses_when_full_and_incompatible(
     assert (await stub.Abort(pb.AbortRequest(request_id="a"))).found
     assert (await dataplane.load(decode.endpoint)).free_blocks == 4
     metrics = fetch(decode.metrics_port, "/metrics")
+    assert metric_value(metrics, "splitserve_kv_blocks_free") == 4
     for reason in ("no_free_blocks", "incompatible"):
         line = (
             'splitserve_requests_rejected_total{model="tiny-llama",pool="decode",'

@@ -47,7 +47,8 @@ class DecodeRole:
         self.engine = worker.engine
         self.loop = worker.loop
         self.reservations = Reservations(self._release, lease_s=worker.settings.lease_s)
-        self._reserving: set[str] = set()
+        # Reserve calls still in the engine: request id -> aborted meanwhile (Abort came first).
+        self._reserving: dict[str, bool] = {}
         self._active = 0
         # import_kv copies into the cache; one thread keeps the event loop free of it.
         self._imports = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-import")
@@ -97,6 +98,13 @@ class DecodeRole:
             time.monotonic(),
         )
         self._imports.shutdown(wait=True)
+
+    def _reserve_unwanted(self, request_id: str, call: asyncio.Future[bool]) -> None:
+        """A Reserve whose caller went away finished in the engine: free what it took."""
+        self._reserving.pop(request_id, None)
+        if not call.cancelled() and call.exception() is None and call.result():
+            log.info("reserve %s: the caller is gone; its blocks are freed", request_id)
+            self._release(request_id)
 
     def _release(self, request_id: str) -> None:
         try:
@@ -151,13 +159,25 @@ class DecodeRole:
             self.reservations.take(old)  # a retry after a failed transfer starts afresh
         if rid in self.reservations or rid in self._reserving:
             return refuse(f"duplicate request_id {rid!r}", "duplicate")
-        self._reserving.add(rid)
+        self._reserving[rid] = False
+        call = asyncio.get_running_loop().run_in_executor(None, self.engine.reserve, rid, n)
         try:
-            ok = await asyncio.get_running_loop().run_in_executor(None, self.engine.reserve, rid, n)
+            # Shielded: a cancelled RPC (client gone, deadline passed) does not stop the engine
+            # call on its thread, and the blocks it takes must not outlive the caller.
+            ok = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda _: self._reserve_unwanted(rid, call))
+            raise
         except ValueError as e:  # e.g. the id is still generating here
+            self._reserving.pop(rid, None)
             return refuse(str(e), "invalid_request")
-        finally:
-            self._reserving.discard(rid)
+        except BaseException:
+            self._reserving.pop(rid, None)
+            raise
+        if self._reserving.pop(rid, False):  # the router aborted it while it was allocated
+            if ok:
+                self._release(rid)
+            return refuse("aborted by the router", "aborted")
         if not ok:
             return refuse("no_free_blocks", "no_free_blocks")
         spec = self.w.spec
@@ -397,6 +417,9 @@ class DecodeRole:
         res = self.reservations.get(request.request_id)
         if res is not None and res.state is not State.FAILED:
             self._fail(res, grpc.StatusCode.CANCELLED, "aborted by the router", "aborted")
+            return pb.AbortResponse(found=True)
+        if request.request_id in self._reserving:  # freed as soon as the engine call returns
+            self._reserving[request.request_id] = True
             return pb.AbortResponse(found=True)
         return pb.AbortResponse(found=self.loop.abort(request.request_id))
 

@@ -125,11 +125,29 @@ def keep_large_buffers_in_heap() -> bool:
 # ---- compatibility ---------------------------------------------------------------------------
 
 
+# Slices of each weights file hashed into the fingerprint, spread evenly over the file.
+FINGERPRINT_SAMPLES = 16
+FINGERPRINT_SAMPLE_BYTES = 64 << 10
+
+
 def model_fingerprint(model_dir: str | Path, name: str = "") -> str:
-    """`<name>@<sha256 of config.json, 12 hex>`: equal only for the same architecture config."""
+    """`<name>@<12 hex>`: a sha256 over config.json and the weights (each safetensors file's
+    name, size, header and FINGERPRINT_SAMPLES slices of its bytes: ~1 MiB read per file).
+    Two workers exchange KV only when these are equal, so a rollout from one checkpoint to
+    another of the same architecture (a new fine-tune at another path, same model name) never
+    decodes one model's KV with the other's weights."""
     path = Path(model_dir)
-    digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
-    return f"{name or path.name}@{digest}"
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header, 100 << 20)))
+            for i in range(FINGERPRINT_SAMPLES):
+                f.seek(size * i // FINGERPRINT_SAMPLES)
+                digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    return f"{name or path.name}@{digest.hexdigest()[:12]}"
 
 
 def model_spec(engine: Any, model_name: str, block_size: int) -> serving_pb2.ModelSpec:

@@ -185,7 +185,9 @@ def worker_metrics(registry: CollectorRegistry) -> WorkerMetrics:
             "queued_prefill_tokens", "Prompt tokens waiting to be prefilled."
         ),
         preemptions=counter("preemptions", "Sequences preempted for lack of KV blocks."),
-        requests_rejected=counter("requests_rejected", "Requests refused, by reason.", ("reason",)),
+        requests_rejected=counter(
+            "requests_rejected", "Calls refused (each retry counts), by reason.", ("reason",)
+        ),
         prefix_cache_hits=counter("prefix_cache_hits", "Prompt blocks found in the prefix cache."),
         prefix_cache_queries=counter(
             "prefix_cache_queries", "Prompt blocks looked up in the prefix cache."

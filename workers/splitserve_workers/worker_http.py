@@ -7,6 +7,7 @@ next to the gRPC server in the same event loop.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,8 +77,10 @@ class WorkerMetricsUpdater:
         self._last_totals[name] = total
         return max(0, total - prev) if prev is not None else max(0, total)
 
-    def observe(self, s: IterationStats) -> None:
-        """One engine iteration -> gauges, histograms and counter increments."""
+    def occupancy(self, s: IterationStats) -> None:
+        """The gauges of what the engine holds now. Also set at every scrape: blocks reserved
+        or freed between iterations (a decode worker's reservations, a released transfer)
+        change them while the engine thread sleeps."""
         lb = self.labels
         m = self.m
         with self._lock:
@@ -87,6 +90,13 @@ class WorkerMetricsUpdater:
             m.kv_blocks_free.labels(**lb).set(s.free_blocks)
             m.kv_blocks_total.labels(**lb).set(s.total_blocks)
             m.queued_prefill_tokens.labels(**lb).set(s.queued_prefill_tokens)
+
+    def observe(self, s: IterationStats) -> None:
+        """One engine iteration -> gauges, histograms and counter increments."""
+        self.occupancy(s)
+        lb = self.labels
+        m = self.m
+        with self._lock:
             batch = s.batch_size
             tokens = s.num_prefill_tokens + s.num_decode_tokens
             if batch > 0:
@@ -126,7 +136,11 @@ async def _refuse_bodies(request: web.Request, handler: Any) -> web.StreamRespon
     return await handler(request)
 
 
-def make_app(status: WorkerStatus, registry: CollectorRegistry) -> web.Application:
+def make_app(
+    status: WorkerStatus, registry: CollectorRegistry, refresh: Callable[[], None] | None = None
+) -> web.Application:
+    """refresh: called before each /metrics answer (the occupancy gauges, read live)."""
+
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -135,6 +149,8 @@ def make_app(status: WorkerStatus, registry: CollectorRegistry) -> web.Applicati
         return web.json_response(body, status=200 if status.ready else 503)
 
     async def metrics(_: web.Request) -> web.Response:
+        if refresh is not None:
+            refresh()
         resp = web.Response(body=generate_latest(registry))
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return resp
@@ -147,11 +163,15 @@ def make_app(status: WorkerStatus, registry: CollectorRegistry) -> web.Applicati
 
 
 async def start_http(
-    status: WorkerStatus, registry: CollectorRegistry, host: str, port: int
+    status: WorkerStatus,
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    refresh: Callable[[], None] | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve the probes and metrics; returns the runner and the bound port (port 0 = any)."""
     runner = web.AppRunner(
-        make_app(status, registry),
+        make_app(status, registry, refresh),
         access_log=None,
         max_line_size=MAX_LINE_BYTES,
         max_field_size=MAX_HEADER_BYTES,

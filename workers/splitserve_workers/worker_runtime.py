@@ -204,6 +204,10 @@ class Worker:
         self.loop = EngineLoop(engine, on_iteration=self.metrics.observe)
         self.metrics.observe(engine.stats())
 
+    def refresh_occupancy(self) -> None:
+        if self.engine is not None:
+            self.metrics.occupancy(self.engine.stats())
+
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         if self.status.draining:
             self.metrics.rejected("draining")
@@ -261,7 +265,11 @@ async def serve(settings: WorkerSettings, make_role: Any) -> int:
     # Probes first: liveness answers while the model loads; readiness stays false until then.
     try:
         runner, metrics_port = await start_http(
-            worker.status, worker.registry, settings.host, settings.metrics_port
+            worker.status,
+            worker.registry,
+            settings.host,
+            settings.metrics_port,
+            refresh=worker.refresh_occupancy,
         )
     except OSError as e:
         where = f"{settings.host}:{settings.metrics_port}"

@@ -305,6 +305,10 @@ class Flow:
                         ),
                         timeout=self.settings.rpc_timeout_seconds,
                     )
+                except asyncio.CancelledError:
+                    # The client left while the call was out: it may have reserved anyway.
+                    _spawn(_abort(worker, worker_rid, self.settings.abort_timeout_seconds))
+                    raise
                 except grpc.aio.AioRpcError as e:
                     last_reason = f"{worker.load.endpoint}: {_rpc_reason(e)}"
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
