@@ -536,3 +536,52 @@ def test_completion_logprobs_follow_the_legacy_shape(stack: dict[str, Any], engi
     raws = [engine.tokenizer.token_bytes(o.token_id) for o in expected]
     want = [len(b"".join(raws[:i]).decode("utf-8", "ignore")) for i in range(len(raws))]
     assert lp.text_offset == want
+
+
+def test_echo_with_logprobs_scores_the_prompt(stack: dict[str, Any], engine: Any) -> None:
+    # What evaluation harnesses send for log-likelihoods: echo, logprobs, one new token. The
+    # prompt's logprobs come from the prefill worker and must equal one engine's.
+    from splitserve_workers.engine import SamplingParams
+
+    prompt = PROMPTS[1]
+    ids = engine.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=True, prompt_logprobs=1)
+    engine.add_request("echo", ids, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.token_id is not None]
+    (first,) = outs
+    args: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    resp = client(stack).completions.create(**args)
+    choice = resp.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    tok = engine.tokenizer
+    assert lp.tokens == [tok.token_text(t)[0] for t in [*ids, first.token_id]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [v for v, _ in first.prompt_logprobs] + [first.logprob]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    for (_, top), alternatives in zip(first.prompt_logprobs, lp.top_logprobs[1:], strict=False):
+        assert top is not None and alternatives is not None
+        assert alternatives[tok.token_text(top[0][0])[0]] == pytest.approx(top[0][1], abs=1e-4)
+    assert resp.usage is not None and resp.usage.prompt_tokens == len(ids)
+    # Streamed: the same entries, the prompt's with the first chunk.
+    streamed_tokens: list[str] = []
+    streamed_values: list[float | None] = []
+    for chunk in client(stack).completions.create(**args, stream=True):
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.tokens:
+                streamed_tokens += c.logprobs.tokens
+                streamed_values += c.logprobs.token_logprobs or []
+    assert streamed_tokens == lp.tokens
+    assert streamed_values[0] is None
+    assert streamed_values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)

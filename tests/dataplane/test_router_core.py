@@ -129,7 +129,6 @@ def test_priority_from_body_or_header() -> None:
         ({"prompt": "x", "n": 2}, "n", "unsupported_parameter"),
         ({"prompt": "x", "logprobs": 6}, "logprobs", "invalid_value"),
         ({"prompt": "x", "logprobs": True}, "logprobs", "invalid_type"),
-        ({"prompt": "x", "logprobs": 1, "echo": True}, "logprobs", "unsupported_parameter"),
         ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "unknown_parameter"),
         ({"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
@@ -505,6 +504,11 @@ def test_logprobs_requests_parse_as_openai_defines_them() -> None:
     req = api.parse_completion({"prompt": "x", "logprobs": 5})
     assert (req.logprobs, req.top_logprobs) == (True, 5)
     assert not api.parse_completion({"prompt": "x", "logprobs": None}).logprobs
+    # With echo: the prompt's tokens get entries too; echo alone or logprobs alone do not.
+    req = api.parse_completion({"prompt": "x", "logprobs": 1, "echo": True})
+    assert (req.logprobs, req.top_logprobs, req.prompt_logprobs) == (True, 1, True)
+    assert not api.parse_completion({"prompt": "x", "echo": True}).prompt_logprobs
+    assert not api.parse_completion({"prompt": "x", "logprobs": 1}).prompt_logprobs
     # Chat: a boolean, and top_logprobs (0-20) only with it.
     chat = {"messages": [{"role": "user", "content": "x"}]}
     req = api.parse_chat({**chat, "logprobs": True, "top_logprobs": 20})
@@ -552,3 +556,10 @@ def test_logprobs_objects_have_openai_shapes() -> None:
     # logprobs 0: no alternatives, yet the sampled token is always listed.
     alone = api.completion_logprobs([api.TokenLogprob("a", b"a", -2.0, [])])
     assert alone["top_logprobs"] == [{"a": -2.0}]
+    # echo: the prompt's first token has no logprob and no alternatives (null, as OpenAI's).
+    echoed = api.completion_logprobs(
+        [api.TokenLogprob("Hi", b"Hi", None, []), api.TokenLogprob("!", b"!", -0.1, [])]
+    )
+    assert echoed["token_logprobs"] == [None, -0.1]
+    assert echoed["top_logprobs"] == [None, {"!": -0.1}]
+    assert echoed["text_offset"] == [0, 2]

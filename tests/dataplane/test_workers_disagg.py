@@ -208,6 +208,21 @@ async def test_colocated_complete_equals_single_engine(
     for value, top in zip(logprobs, tops, strict=True):
         assert len(top.token_ids) == 2 and top.logprobs[0] >= top.logprobs[1]
         assert top.logprobs[0] == pytest.approx(value)  # greedy: the sampled token is the top
+    # The prompt's logprobs, on the first event only.
+    sampling.prompt_logprobs = 2
+    events = [
+        ev
+        async for ev in stub.Complete(
+            pb.CompleteRequest(
+                request_id="colo-plp", prompt_token_ids=prompts[0], sampling=sampling
+            )
+        )
+    ]
+    assert [ev.HasField("prompt_logprobs") for ev in events] == [True] + [False] * (len(events) - 1)
+    plp = events[0].prompt_logprobs
+    assert len(plp.logprobs) == len(plp.top_logprobs) == len(prompts[0]) - 1
+    assert all(v <= 0 for v in plp.logprobs)
+    assert all(len(t.token_ids) == 2 for t in plp.top_logprobs)
     assert (await dataplane.load(colo.endpoint, "colocated")).free_blocks == initial.free_blocks
     metrics = fetch(colo.metrics_port, "/metrics")
     for family in (

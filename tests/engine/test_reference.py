@@ -24,9 +24,9 @@ def engine_logits(
     run_prefill, run_decode = runner.run_prefill, runner.run_decode
 
     def prefill(*args):  # type: ignore[no-untyped-def]
-        logits, done = run_prefill(*args)
+        logits, done, hidden = run_prefill(*args)
         seen.extend(logits.clone())
-        return logits, done
+        return logits, done, hidden
 
     def decode(*args):  # type: ignore[no-untyped-def]
         logits = run_decode(*args)

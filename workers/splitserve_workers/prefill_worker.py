@@ -144,6 +144,8 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
                         )
                         if o.top_logprobs is not None:
                             first.top_logprobs.CopyFrom(rt.top_logprobs(o.top_logprobs))
+                        if o.prompt_logprobs is not None:
+                            first.prompt_logprobs.CopyFrom(rt.prompt_logprobs(o.prompt_logprobs))
                     if o.finished:
                         finished = True
                 if first is None and finished:

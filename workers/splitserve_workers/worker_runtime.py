@@ -360,7 +360,7 @@ def run_role(role_name: str, args: argparse.Namespace, make_role: Any) -> int:
 def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
     """Proto sampling -> engine SamplingParams; raises ValueError naming the field."""
     from splitserve_workers.engine import SamplingParams
-    from splitserve_workers.engine.sampling import MAX_TOP_LOGPROBS
+    from splitserve_workers.engine.sampling import MAX_PROMPT_LOGPROBS, MAX_TOP_LOGPROBS
 
     if p.temperature < 0:
         raise ValueError(f"sampling.temperature: {p.temperature} must be >= 0")
@@ -374,6 +374,11 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         raise ValueError(
             f"sampling.top_logprobs: {p.top_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}"
         )
+    prompt = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
+    if prompt is not None and not 0 <= prompt <= MAX_PROMPT_LOGPROBS:
+        raise ValueError(
+            f"sampling.prompt_logprobs: {prompt} must be between 0 and {MAX_PROMPT_LOGPROBS}"
+        )
     return SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p if p.top_p > 0 else 1.0,
@@ -385,6 +390,7 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs > 0 or p.top_logprobs > 0,
         top_logprobs=p.top_logprobs,
+        prompt_logprobs=prompt,
     )
 
 
@@ -398,6 +404,16 @@ def top_logprobs(pairs: list[tuple[int, float]]) -> serving_pb2.TopLogprobs:
     return serving_pb2.TopLogprobs(token_ids=[t for t, _ in pairs], logprobs=[v for _, v in pairs])
 
 
+def prompt_logprobs(
+    entries: list[tuple[float, list[tuple[int, float]] | None]],
+) -> serving_pb2.PromptLogprobs:
+    out = serving_pb2.PromptLogprobs(logprobs=[value for value, _ in entries])
+    for _, top in entries:
+        if top is not None:
+            out.top_logprobs.append(top_logprobs(top))
+    return out
+
+
 def token_event(outputs: list[Any]) -> serving_pb2.TokenEvent:
     """Several engine outputs of one request -> one TokenEvent (tokens batched)."""
     ev = serving_pb2.TokenEvent()
@@ -408,6 +424,8 @@ def token_event(outputs: list[Any]) -> serving_pb2.TokenEvent:
                 ev.logprobs.append(o.logprob)
             if o.top_logprobs is not None:
                 ev.top_logprobs.append(top_logprobs(o.top_logprobs))
+            if o.prompt_logprobs is not None:
+                ev.prompt_logprobs.CopyFrom(prompt_logprobs(o.prompt_logprobs))
         if o.finished:
             ev.finished = True
             ev.finish_reason = o.finish_reason or ""

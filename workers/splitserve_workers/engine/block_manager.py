@@ -99,13 +99,17 @@ class BlockManager:
         return ids, hashes
 
     def allocate_with_prefix(
-        self, token_ids: SequenceT[int], num_tokens: int, reserve_free: int = 0
+        self,
+        token_ids: SequenceT[int],
+        num_tokens: int,
+        reserve_free: int = 0,
+        use_cache: bool = True,
     ) -> tuple[list[int], list[int]] | None:
         """Blocks for num_tokens tokens of token_ids, reusing cached full blocks of the prompt
         (never the block holding the last token: its logits must be computed). Returns
         (block table, hashes of the reused blocks), or None if fewer than the needed blocks
-        plus reserve_free would be free."""
-        max_full = (len(token_ids) - 1) // self.block_size
+        plus reserve_free would be free. use_cache=False: no reuse (every prompt row computed)."""
+        max_full = (len(token_ids) - 1) // self.block_size if use_cache else 0
         hits, hashes = self.match_prefix(token_ids, max_full)
         need = self.blocks_for(num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)

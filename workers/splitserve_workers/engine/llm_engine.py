@@ -35,7 +35,7 @@ from splitserve_workers.engine.config import EngineConfig
 from splitserve_workers.engine.loader import load_model
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.model_runner import ModelRunner
-from splitserve_workers.engine.sampling import SamplingParams, sample
+from splitserve_workers.engine.sampling import SamplingParams, prompt_logprobs, sample
 from splitserve_workers.engine.scheduler import Scheduler
 from splitserve_workers.engine.sequence import (
     OnKV,
@@ -297,7 +297,11 @@ class LLMEngine:
         started = time.perf_counter()
         try:
             if batch.is_prefill:
-                logits, done = self.model_runner.run_prefill(seqs, counts)
+                starts = [s.num_computed_tokens for s in seqs]
+                want = [i for i, s in enumerate(seqs) if s.wants_prompt_logprobs]
+                logits, done, hidden = self.model_runner.run_prefill(seqs, counts, want)
+                for i, rows in zip(want, hidden, strict=True):
+                    self._prompt_logprobs(seqs[i], starts[i], rows)
             else:
                 logits = self.model_runner.run_decode(seqs)
                 done = list(range(len(seqs)))
@@ -355,6 +359,20 @@ class LLMEngine:
             )
         return outputs
 
+    def _prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Fills seq.prompt_logprobs for the prompt tokens after positions [start, start + n)
+        (hidden: those positions' final hidden states). The last prompt position's next token
+        is the first output: its logprob comes with it, as for any generated token."""
+        assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
+        n = min(hidden.shape[0], seq.num_prompt_tokens - 1 - start)
+        if n <= 0:
+            return
+        targets = seq.token_ids[start + 1 : start + 1 + n]
+        entries = prompt_logprobs(
+            self.model_runner.model.compute_logits, hidden[:n], targets, seq.params.prompt_logprobs
+        )
+        seq.prompt_logprobs[start : start + n] = entries
+
     def _append_token(
         self,
         seq: Sequence,
@@ -368,6 +386,10 @@ class LLMEngine:
             self._finish(seq, reason)
         out = self._output(seq, token, logprob)
         out.top_logprobs = top
+        if seq.wants_prompt_logprobs and seq.num_output_tokens == 1:
+            assert seq.prompt_logprobs is not None and None not in seq.prompt_logprobs
+            out.prompt_logprobs = seq.prompt_logprobs  # type: ignore[assignment]
+            seq.prompt_logprobs_sent = True
         return out
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -531,6 +553,7 @@ class LLMEngine:
                     )
             del self._reservations[request_id]
             seq.block_table = r.block_table
+            seq.prompt_logprobs_sent = True  # the prefill side computes and sends them
             self._seqs[request_id] = seq
             self.scheduler.add_running(seq)
             self.scheduler.mark_computed(seq, len(prompt_token_ids))  # publishes prompt blocks

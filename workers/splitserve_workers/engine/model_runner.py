@@ -8,6 +8,8 @@ The KV pool is [layers, 2 (k|v), blocks, block_size, kv_heads, head_dim], preall
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Sequence_
+
 import torch
 
 from splitserve_workers.engine.layers.attention import AttentionMetadata
@@ -72,10 +74,12 @@ class ModelRunner:
     # ---- forward passes --------------------------------------------------------------------
     @torch.inference_mode()
     def run_prefill(
-        self, seqs: list[Sequence], counts: list[int]
-    ) -> tuple[torch.Tensor, list[int]]:
+        self, seqs: list[Sequence], counts: list[int], all_rows: Sequence_[int] = ()
+    ) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
         """Computes KV for tokens [computed, computed + n) of each sequence. Returns logits for
-        the sequences whose prompt this pass completes, and their indices in seqs."""
+        the sequences whose prompt this pass completes, their indices in seqs, and for each
+        index in all_rows the final hidden state of every token it computed ([n, hidden]:
+        prompt logprobs)."""
         bs = self.block_size
         starts = [s.num_computed_tokens for s in seqs]
         B = len(seqs)
@@ -146,7 +150,8 @@ class ModelRunner:
         ]
         ends = torch.tensor(counts).cumsum(0) - 1
         rows = ends[done].to(self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)), done
+        every = [hidden[int(ends[i]) - counts[i] + 1 : int(ends[i]) + 1] for i in all_rows]
+        return self.model.compute_logits(hidden.index_select(0, rows)), done, every
 
     @torch.inference_mode()
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -8,11 +8,13 @@ and with top_logprobs of the N most likely tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
+MAX_PROMPT_LOGPROBS = 5  # alternatives per prompt token, as the legacy completions API
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampler does)
 
 
@@ -28,6 +30,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: also the N most likely tokens per step (0-20)
+    # The prompt's logprobs too, with this many alternatives per token (0-5); None = not asked.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if not self.temperature >= 0.0:
@@ -48,6 +52,13 @@ class SamplingParams:
             )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs")
+        if self.prompt_logprobs is not None and not (
+            0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs: {self.prompt_logprobs} must be between 0 and "
+                f"{MAX_PROMPT_LOGPROBS}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -104,3 +115,35 @@ def sample(
                     pairs = zip(top_ids[r, :n].tolist(), top_values[r, :n].tolist(), strict=True)
                     tops[i] = [(int(t), float(v)) for t, v in pairs]
     return tokens, logprobs, tops
+
+
+# Prompt rows turned into logits at a time: [rows, vocab] float32 is 64 MiB at 128k vocab.
+PROMPT_LOGITS_ROWS = 128
+
+
+def prompt_logprobs(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: list[int],
+    top: int,
+) -> list[tuple[float, list[tuple[int, float]] | None]]:
+    """The logprob of each target token (the prompt's next token) under the logits of the
+    hidden row before it, and the `top` most likely alternatives; hidden: [len(targets), h].
+    Rows go through logits_of a slice at a time, so a long prompt never holds its whole
+    [tokens, vocab] logits."""
+    out: list[tuple[float, list[tuple[int, float]] | None]] = []
+    for at in range(0, len(targets), PROMPT_LOGITS_ROWS):
+        rows = hidden[at : at + PROMPT_LOGITS_ROWS]
+        lp = torch.log_softmax(logits_of(rows).float(), dim=-1)
+        want = torch.tensor(targets[at : at + rows.shape[0]], device=lp.device)
+        values = lp.gather(1, want.unsqueeze(1)).squeeze(1).tolist()
+        if top:
+            top_values, top_ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
+            pairs = zip(top_ids.tolist(), top_values.tolist(), strict=True)
+            tops: list[list[tuple[int, float]] | None] = [
+                list(zip(ids, vals, strict=True)) for ids, vals in pairs
+            ]
+        else:
+            tops = [None] * len(values)
+        out.extend(zip(values, tops, strict=True))
+    return out

@@ -169,7 +169,9 @@ class Scheduler:
     ) -> tuple[list[int], list[int]] | None:
         if active >= self.max_batch_size:
             return None
-        return self.bm.allocate_with_prefix(seq.token_ids, seq.num_tokens, watermark)
+        return self.bm.allocate_with_prefix(
+            seq.token_ids, seq.num_tokens, watermark, use_cache=not seq.wants_prompt_logprobs
+        )
 
     def _victims(
         self, seq: Sequence, keep: set[Sequence], active: int, watermark: int

@@ -43,6 +43,9 @@ class TokenOutput:
     # With SamplingParams.top_logprobs: the most likely tokens at this step, most likely first,
     # as (token id, logprob) pairs (raw distribution, like `logprob`).
     top_logprobs: list[tuple[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs, on the first token's output only: per prompt token
+    # after the first, its logprob given the tokens before it and the top alternatives.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]] | None]] | None = None
 
 
 _arrival = itertools.count()
@@ -79,6 +82,18 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         self.error: BaseException | None = None  # set when on_kv raised
+        # SamplingParams.prompt_logprobs: entry p is for prompt token p + 1, filled as the
+        # prompt is computed (a recompute after preemption overwrites it with equal values)
+        # and handed out with the first token.
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]] | None] | None] | None = (
+            None if params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1)
+        )
+        self.prompt_logprobs_sent = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt rows' logits are needed (so no prefix-cache hits may skip them)."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def num_tokens(self) -> int:

@@ -397,6 +397,8 @@ class Router:
                 logprobs=1 if req.logprobs else 0,
                 top_logprobs=req.top_logprobs,
             )
+            if req.prompt_logprobs:
+                sampling.prompt_logprobs = req.top_logprobs
             if req.seed is not None:
                 sampling.seed = req.seed
             flow = Flow(
@@ -526,6 +528,17 @@ class _Run:
             return []
         tok = self.router.tokenizer
         entries = []
+        if chunk.prompt_logprobs is not None and self.req.prompt_logprobs:
+            # The echoed prompt's tokens first: the first has no logprob, each later one its
+            # own given the tokens before it.
+            first_text, first_raw = tok.token_text(self.prompt_ids[0])
+            entries.append(api.TokenLogprob(first_text, first_raw, None, []))
+            for token_id, (logprob, top) in zip(
+                self.prompt_ids[1:], chunk.prompt_logprobs, strict=False
+            ):
+                text, raw = tok.token_text(token_id)
+                alternatives = [(*tok.token_text(t), value) for t, value in top]
+                entries.append(api.TokenLogprob(text, raw, logprob, alternatives))
         # A worker sends one logprob per token when asked; a shorter list is a worker that
         # did not (an older one): those tokens get no entry rather than a made-up value.
         for i, (token_id, logprob) in enumerate(zip(chunk.token_ids, chunk.logprobs, strict=False)):

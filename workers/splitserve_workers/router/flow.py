@@ -45,6 +45,9 @@ class TokenChunk:
     # likely (token id, logprob) pairs at that step.
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # On the first chunk when the prompt's logprobs were asked: per prompt token after the
+    # first, its logprob and the most likely alternatives.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -194,6 +197,12 @@ class Flow:
         """Clips a worker's event to max_tokens / stop ids, so a worker that over-generates
         cannot make the router over-answer."""
         chunk = TokenChunk([])
+        if event.HasField("prompt_logprobs"):
+            p = event.prompt_logprobs
+            tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in p.top_logprobs]
+            chunk.prompt_logprobs = [
+                (value, tops[i] if i < len(tops) else []) for i, value in enumerate(p.logprobs)
+            ]
         for i, token_id in enumerate(event.token_ids):
             chunk.token_ids.append(token_id)
             if i < len(event.logprobs):
@@ -220,6 +229,8 @@ class Flow:
             event.logprobs.append(first.logprob)
         if self.req.sampling.top_logprobs:
             event.top_logprobs.append(first.top_logprobs)
+        if first.HasField("prompt_logprobs"):
+            event.prompt_logprobs.CopyFrom(first.prompt_logprobs)
         return event
 
     # ---- disaggregated -----------------------------------------------------------------

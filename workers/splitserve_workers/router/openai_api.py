@@ -78,6 +78,7 @@ class GenerationRequest:
     echo: bool = False
     logprobs: bool = False  # the sampled tokens' logprobs
     top_logprobs: int = 0  # and this many most likely tokens at each step
+    prompt_logprobs: bool = False  # echo with logprobs: the prompt's tokens get entries too
 
     @property
     def prompt_param(self) -> str:
@@ -405,17 +406,12 @@ def parse_completion(body: dict[str, Any], header_priority: str | None = None) -
     req.echo = bool(_bool(body, "echo"))
     # The legacy API: logprobs N returns the sampled token's logprob and the N most likely
     # (0 included: the sampled one only).
+    # With echo, the prompt's tokens get entries too (the first one's logprob is null), as
+    # evaluation harnesses read them for log-likelihoods.
     n = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     if n is not None:
-        if req.echo:
-            raise APIError(
-                400,
-                "'logprobs' together with 'echo' asks for the prompt's logprobs, which this "
-                "server does not compute; drop one of them",
-                param="logprobs",
-                code="unsupported_parameter",
-            )
         req.logprobs, req.top_logprobs = True, n
+        req.prompt_logprobs = req.echo
     return req
 
 
@@ -572,15 +568,16 @@ def chat_chunk(
 
 @dataclass
 class TokenLogprob:
-    """One generated token's logprob entry, already turned into text (TokenText)."""
+    """One token's logprob entry, already turned into text (TokenText). The prompt's first
+    token has none (logprob None): nothing comes before it."""
 
     text: str
     raw: bytes
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, bytes, float]]  # most likely first
 
 
-def _entry(text: str, raw: bytes, logprob: float) -> dict[str, Any]:
+def _entry(text: str, raw: bytes, logprob: float | None) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
@@ -603,8 +600,11 @@ def completion_logprobs(entries: list[TokenLogprob], before: bytes = b"") -> dic
     for e in entries:
         offsets.append(len(raw.decode("utf-8", errors="ignore")))
         raw += e.raw
-    tops = []
+    tops: list[dict[str, float] | None] = []
     for e in entries:
+        if e.logprob is None:  # the prompt's first token (echo): null, as OpenAI's
+            tops.append(None)
+            continue
         # The sampled token is always there (legacy API: up to logprobs + 1 entries).
         top = {text: logprob for text, _raw, logprob in e.top}
         top.setdefault(e.text, e.logprob)
