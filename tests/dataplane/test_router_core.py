@@ -563,3 +563,18 @@ def test_logprobs_objects_have_openai_shapes() -> None:
     assert echoed["token_logprobs"] == [None, -0.1]
     assert echoed["top_logprobs"] == [None, {"!": -0.1}]
     assert echoed["text_offset"] == [0, 2]
+
+
+def test_stop_lists_are_bounded() -> None:
+    # Each is checked on every generated token, on the router's event loop and the engine's.
+    for body, param, message in [
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 ids, got 65"),
+        ({"stop": ["x" * 1001]}, "stop", "at most 1000 characters"),
+    ]:
+        err = error_of(api.parse_completion, {"prompt": "x", **body})
+        assert (err.status, err.param, err.code) == (400, param, "invalid_value")
+        assert message in err.message
+    ok = api.parse_completion(
+        {"prompt": "x", "stop_token_ids": list(range(64)), "stop": "y" * 1000}
+    )
+    assert len(ok.stop_token_ids) == 64

@@ -24,11 +24,11 @@ from splitserve_workers.router.app import AppRunner, Router, RouterOptions, load
 from splitserve_workers.router.discovery import StaticDiscovery
 
 
-def router_on_nothing(tiny_model: Path) -> Router:
+def router_on_nothing(tiny_model: Path, max_model_len: int = 1024) -> Router:
     options = RouterOptions(
         model_name="tiny",
         model_dir=str(tiny_model),
-        max_model_len=1024,
+        max_model_len=max_model_len,
         # Nothing listens there; no request below gets as far as a worker.
         discovery=StaticDiscovery(["127.0.0.1:9"], ["127.0.0.1:9"], []),
         poll_interval=5.0,
@@ -238,21 +238,55 @@ def test_ignored_fields_of_the_right_type_are_accepted() -> None:
     assert req.kind == "chat"
 
 
-async def test_long_prompt_is_tokenized_off_the_event_loop(client: TestClient) -> None:
+async def test_long_prompt_is_tokenized_off_the_event_loop(tiny_model: Path) -> None:
     # Megabytes of prompt take seconds to tokenize. Done on the event loop, nothing else would
     # be answered meanwhile; on the tokenizer threads, /health keeps answering while the long
-    # prompt is tokenized (and then refused for the context limit).
+    # prompt is tokenized (and then refused for the context limit). The context here is long
+    # enough that the text's size alone does not rule the prompt out.
     words = " ".join(f"w{i % 997}x{i % 13}" for i in range(350_000))  # ~3 MB
-    big = asyncio.create_task(client.post("/v1/completions", json={"prompt": words}))
-    answered_meanwhile = 0
-    while not big.done():
-        r = await client.get("/health")
-        assert r.status == 200
-        answered_meanwhile += 1
-    r = await big
-    assert r.status == 400
-    assert (await r.json())["error"]["code"] == "context_length_exceeded"
-    assert answered_meanwhile >= 5, answered_meanwhile
+    router = router_on_nothing(tiny_model, max_model_len=500_000)
+    async with TestClient(TestServer(router.app())) as client:
+        big = asyncio.create_task(client.post("/v1/completions", json={"prompt": words}))
+        answered_meanwhile = 0
+        while not big.done():
+            r = await client.get("/health")
+            assert r.status == 200
+            answered_meanwhile += 1
+        r = await big
+        assert r.status == 400
+        error = (await r.json())["error"]
+        assert error["code"] == "context_length_exceeded" and "tokens" in error["message"]
+        assert answered_meanwhile >= 5, answered_meanwhile
+
+
+async def test_a_prompt_too_long_by_its_size_alone_is_never_tokenized(tiny_model: Path) -> None:
+    # No token of this vocabulary covers more than max_token_bytes of text, so a prompt of
+    # more bytes than 4 x that x the limit cannot fit: refused at once, before the tokenizer
+    # threads (where it would hold up the requests behind it).
+    router = router_on_nothing(tiny_model)
+    calls: list[int] = []
+    encode = router.tokenizer.encode
+
+    def counting_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        calls.append(len(text))
+        return encode(text, add_special_tokens)
+
+    router.tokenizer.encode = counting_encode
+    bound = 4 * 1024 * router.tokenizer.max_token_bytes
+    async with TestClient(TestServer(router.app())) as client:
+        for body, path in [
+            ({"prompt": "a" * (bound + 1)}, "/v1/completions"),
+            ({"messages": [{"role": "user", "content": "é" * (bound // 2 + 1)}]},
+             "/v1/chat/completions"),
+        ]:  # fmt: skip
+            r = await client.post(path, json=body)
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["code"] == "context_length_exceeded"
+            assert f"is {bound + 1 if 'prompt' in body else bound + 2} bytes" in error["message"]
+        assert calls == []
+        # Just under the bound it is tokenized (and refused by its token count).
+        r = await client.post("/v1/completions", json={"prompt": "a " * (bound // 2)})
+        assert r.status == 400 and calls == [bound]
 
 
 async def test_drain_deadline_cuts_a_request_still_being_tokenized(tiny_model: Path) -> None:

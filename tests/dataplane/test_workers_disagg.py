@@ -9,10 +9,11 @@ import random
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
-from splitserve_workers.engine import EngineConfig, LLMEngine, SamplingParams
+from splitserve_workers.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from splitserve_workers.proto import serving_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -167,6 +168,51 @@ async def test_prefill_checks_compatibility_before_compute(pair, dataplane):
             pass
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "incompatible: dtype" in e.value.details()
+
+
+async def test_workers_bound_every_field_before_using_it(pair, dataplane, tiny_model):
+    # Any pod that reaches a worker's port can call it: the limits hold without the router.
+    prefill, decode = pair
+    spec = (await dataplane.load(decode.endpoint)).model
+    max_len = ModelConfig.from_dir(tiny_model).max_model_len
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+
+    async def prefill_error(rid: str = "ok", prompt_len: int = 3, **sampling: Any) -> str:
+        call = dataplane.prefill(prefill.endpoint).Prefill(
+            pb.PrefillRequest(
+                request_id=rid,
+                prompt_token_ids=[1] * prompt_len,
+                sampling=pb.SamplingParams(max_tokens=4, **sampling),
+                decode_endpoint=decode.endpoint,
+                decode_model=spec,
+            )
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in call:
+                pass
+        assert e.value.code() == invalid, e.value.details()
+        return e.value.details()
+
+    assert "longer than 128 bytes" in await prefill_error(rid="x" * 129)
+    too_long = await prefill_error(prompt_len=max_len + 1)
+    assert f"{max_len + 1} tokens, more than max_model_len {max_len}" in too_long
+    assert "at most 64" in await prefill_error(stop_token_ids=list(range(65)))
+    assert "at most 16" in await prefill_error(stop=["a"] * 17)
+    assert "longer than 1000 characters" in await prefill_error(stop=["a" * 1001])
+    huge_id = "r" * 100_000
+    reserve = dataplane.decode(decode.endpoint).Reserve(
+        pb.ReserveRequest(request_id=huge_id, model=spec, num_prompt_tokens=4)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await reserve
+    assert e.value.code() == invalid and len(e.value.details()) < 200  # the id is not echoed
+    generate = dataplane.decode(decode.endpoint).Generate(
+        pb.GenerateRequest(request_id=huge_id, prompt_token_ids=[1], first_token=1)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        async for _ in generate:
+            pass
+    assert e.value.code() == invalid and len(e.value.details()) < 200
 
 
 async def test_colocated_complete_equals_single_engine(

@@ -41,10 +41,10 @@ class ColocatedRole(pb_grpc.ColocatedServiceServicer):
         await self.w.refuse_if_draining(context)
         rid = request.request_id
         invalid = grpc.StatusCode.INVALID_ARGUMENT
-        if not rid:
-            await context.abort(invalid, "request_id: required")
-        if not request.prompt_token_ids:
-            await context.abort(invalid, "prompt_token_ids: empty prompt")
+        max_len = self.w.engine.model_config.max_model_len
+        why = rt.request_problem(rid, len(request.prompt_token_ids), max_len)
+        if why is not None:
+            await context.abort(invalid, why)
         try:
             params = rt.sampling_from_proto(request.sampling)
             stream = self.loop.submit(

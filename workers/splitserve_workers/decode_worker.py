@@ -130,8 +130,9 @@ class DecodeRole:
     ) -> pb.ReserveResponse:
         await self.w.refuse_if_draining(context)
         rid = request.request_id
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        why = rt.request_problem(rid)
+        if why is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if not request.HasField("model"):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -200,6 +201,8 @@ class DecodeRole:
 
     async def _open_stream(self, rid: str, context: grpc.aio.ServicerContext) -> Reservation:
         res = self.reservations.get(rid)
+        if res is None and (why := rt.request_problem(rid)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)  # not echoed back
         if res is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -348,6 +351,8 @@ class DecodeRole:
     ) -> AsyncIterator[pb.TokenEvent]:
         rid = request.request_id
         res = self.reservations.get(rid)
+        if res is None and (why := rt.request_problem(rid)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if res is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -358,12 +363,12 @@ class DecodeRole:
             await context.abort(res.failure.code, f"KV transfer failed: {res.failure.message}")
         try:
             params = rt.sampling_from_proto(request.sampling)
-            prompt = list(request.prompt_token_ids)
-            if len(prompt) != res.num_prompt_tokens:
+            if len(request.prompt_token_ids) != res.num_prompt_tokens:
                 raise ValueError(
-                    f"prompt_token_ids: {len(prompt)} tokens, but {res.num_prompt_tokens} "
-                    "were reserved"
+                    f"prompt_token_ids: {len(request.prompt_token_ids)} tokens, but "
+                    f"{res.num_prompt_tokens} were reserved"
                 )
+            prompt = list(request.prompt_token_ids)
         except ValueError as e:
             self._fail(res, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -66,12 +66,12 @@ class PrefillRole(pb_grpc.PrefillServiceServicer):
         arrival = time.monotonic()
         await self.w.refuse_if_draining(context)
         rid = request.request_id
-        prompt = list(request.prompt_token_ids)
         invalid = grpc.StatusCode.INVALID_ARGUMENT
-        if not rid:
-            await context.abort(invalid, "request_id: required")
-        if not prompt:
-            await context.abort(invalid, "prompt_token_ids: empty prompt")
+        max_len = self.w.engine.model_config.max_model_len
+        why = rt.request_problem(rid, len(request.prompt_token_ids), max_len)
+        if why is not None:
+            await context.abort(invalid, why)
+        prompt = list(request.prompt_token_ids)
         if not request.decode_endpoint:
             await context.abort(invalid, "decode_endpoint: required (host:port of the reservation)")
         if not request.HasField("decode_model"):

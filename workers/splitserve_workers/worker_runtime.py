@@ -354,7 +354,35 @@ def run_role(role_name: str, args: argparse.Namespace, make_role: Any) -> int:
         return 1
 
 
-# ---- conversions shared by the servicers ------------------------------------------------------
+# ---- input limits and conversions shared by the servicers --------------------------------------
+
+# Any pod that reaches a worker's gRPC port can call it, so every field is bounded before it is
+# used, not only by the router's checks. The router's ids are 41 bytes; its stop lists are at
+# most 4 strings.
+MAX_REQUEST_ID_BYTES = 128
+MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1000
+
+
+def request_problem(
+    request_id: str, num_prompt_tokens: int | None = None, max_model_len: int | None = None
+) -> str | None:
+    """Why a request's id or prompt length is refused (INVALID_ARGUMENT), or None. Checked
+    before the prompt becomes a Python list: a message at the size limit holds ~20 M ids."""
+    if not request_id:
+        return "request_id: required"
+    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        return f"request_id: longer than {MAX_REQUEST_ID_BYTES} bytes"
+    if num_prompt_tokens is not None:
+        if num_prompt_tokens == 0:
+            return "prompt_token_ids: empty prompt"
+        if max_model_len is not None and num_prompt_tokens > max_model_len:
+            return (
+                f"prompt_token_ids: {num_prompt_tokens} tokens, more than max_model_len "
+                f"{max_model_len}"
+            )
+    return None
 
 
 def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
@@ -374,6 +402,14 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         raise ValueError(
             f"sampling.top_logprobs: {p.top_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}"
         )
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(
+            f"sampling.stop_token_ids: {len(p.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}"
+        )
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"sampling.stop: {len(p.stop)} strings, at most {MAX_STOP_STRINGS}")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in p.stop):
+        raise ValueError(f"sampling.stop: a string longer than {MAX_STOP_STRING_CHARS} characters")
     prompt = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
     if prompt is not None and not 0 <= prompt <= MAX_PROMPT_LOGPROBS:
         raise ValueError(

@@ -7,6 +7,7 @@ Used by LLMEngine (stop strings, EOS) and by the router (prompts in, text out). 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -180,6 +181,11 @@ class Tokenizer:
         # Model vocabularies are often padded past the tokenizer's; such ids have no text.
         known = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text any one token stands for (>= 1)."""
+        return max([1, *(len(self.token_bytes(i)) for i in range(self.vocab_size))])
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -97,7 +97,9 @@ def load_tokenizer(model_dir: str) -> Any:
     # Only the tokenizer module of the engine: the router never loads weights.
     from splitserve_workers.engine.tokenizer import Tokenizer
 
-    return Tokenizer(model_dir)
+    tokenizer = Tokenizer(model_dir)
+    tokenizer.max_token_bytes  # noqa: B018 - computed once here, not on a request's event loop
+    return tokenizer
 
 
 _BODY_HEADERS = ("content-type", "content-length")
@@ -325,6 +327,7 @@ class Router:
         """_prompt_ids off the event loop: a prompt of megabytes takes seconds to tokenize, and
         every other stream, /health and /ready would wait for it. Meanwhile the request is in
         `tokenizing`, where the drain deadline finds it too (cut_in_flight)."""
+        self._refuse_certainly_too_long(req)
         task = asyncio.current_task()
         assert task is not None
         self.tokenizing[task] = None
@@ -342,6 +345,30 @@ class Router:
             ) from None
         finally:
             self.tokenizing.pop(task, None)
+
+    def _refuse_certainly_too_long(self, req: api.GenerationRequest) -> None:
+        """A prompt whose text alone proves it longer than the context is refused before the
+        tokenizer threads spend seconds on it (and other requests queue behind it): no token
+        covers more than the vocabulary's longest token's bytes, so a text of more bytes than
+        that times the limit (times 4, for normalizers that shrink text) cannot fit."""
+        if req.prompt_token_ids is not None:
+            return
+        texts = (
+            [req.prompt or ""]
+            if req.kind != "chat"
+            else [m.get("content", "") for m in req.messages or []]
+        )
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        limit = self.options.max_model_len
+        if size > 4 * limit * self.tokenizer.max_token_bytes:
+            raise api.APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{req.prompt_param} is {size} bytes, more than {limit} tokens can hold. "
+                f"Please shorten the {req.prompt_param}.",
+                param=req.prompt_param,
+                code="context_length_exceeded",
+            )
 
     def _check_length(self, req: api.GenerationRequest, n_prompt: int) -> int:
         limit = self.options.max_model_len

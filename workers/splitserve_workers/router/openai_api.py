@@ -14,6 +14,8 @@ INT32_MAX = 2**31 - 1  # top_k and token ids travel to the workers as int32
 PRIORITY_HEADER = "x-splitserve-priority"
 PRIORITIES = ("interactive", "background")
 MAX_STOP_STRINGS = 4
+MAX_STOP_STRING_CHARS = 1000  # each is matched against the text's tail on every token
+MAX_STOP_TOKEN_IDS = 64  # checked on every token (the workers refuse more)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -164,6 +166,8 @@ def _stop(body: dict[str, Any]) -> list[str]:
         )
     if any(s == "" for s in value):
         raise invalid("stop", "'stop' strings must not be empty")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in value):
+        raise invalid("stop", f"'stop' strings must be at most {MAX_STOP_STRING_CHARS} characters")
     return list(value)
 
 
@@ -321,6 +325,11 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
             raise _wrong_type("stop_token_ids", "an array of non-negative integers", ids)
         if any(i > INT32_MAX for i in ids):
             raise invalid("stop_token_ids", f"'stop_token_ids' must be <= {INT32_MAX}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid(
+                "stop_token_ids",
+                f"'stop_token_ids' accepts at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+            )
         req.stop_token_ids = list(ids)
     req.ignore_eos = bool(_bool(body, "ignore_eos"))
     req.stream = bool(_bool(body, "stream"))
