@@ -1,5 +1,6 @@
 """KV sender channel pool (kv_transfer.ChannelPool) against a real local gRPC server: which
-connection a transfer gets, eager connection, and the allocator setting the KV roles apply.
+connection a transfer gets, eager connection, closing idle and surplus endpoints, and the
+allocator setting the KV roles apply.
 The transfers themselves are covered by test_workers_disagg.py and test_faults_kv.py."""
 
 from __future__ import annotations
@@ -74,3 +75,32 @@ def test_keep_large_buffers_in_heap_applies_on_glibc() -> None:
     assert isinstance(applied, bool)
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert applied
+
+
+def test_idle_and_surplus_endpoints_are_closed() -> None:
+    # Decode pods come and go (rollouts, scale-downs), and any caller can name an endpoint:
+    # each one's channels, reconnects and readiness watch must not stay for the process's
+    # life. Nothing listens on these ports; no RPC is made.
+    now = [0.0]
+    pool = ChannelPool(channels_per_peer=2, idle_s=600.0, max_peers=3, clock=lambda: now[0])
+    a, b, c, d = (f"127.0.0.1:{port}" for port in (9, 19, 29, 39))
+    try:
+        i, _ = pool.acquire(a)
+        pool.release(a, i)
+        busy_index, _ = pool.acquire(b)  # a transfer in flight
+        now[0] = 601.0
+        pool.get(c)  # a new endpoint: a has been idle past idle_s
+        assert pool.endpoints == [b, c]
+        now[0] = 1300.0
+        pool.get(d)  # b is busy, so it stays however long; c is idle past idle_s
+        assert pool.endpoints == [b, d]
+        pool.release(b, busy_index)
+        # Beyond max_peers the least recently used idle endpoint goes first.
+        now[0] = 1301.0
+        pool.get(a)
+        now[0] = 1302.0
+        pool.get(c)
+        assert pool.endpoints == [d, a, c]  # b and d were equally old; b was first
+    finally:
+        pool.close()
+    assert pool.endpoints == []

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -453,6 +453,12 @@ class TransferTracker:
 # ---- prefill side: sending a transfer --------------------------------------------------------
 
 
+# A decode endpoint's channels close after this long without a transfer, and beyond this many
+# endpoints the least recently used idle one closes (a new transfer reconnects in ~1 ms).
+CHANNEL_IDLE_SECONDS = 600.0
+MAX_PEERS = 256
+
+
 class ChannelPool:
     """A few sync gRPC channels per decode endpoint (each its own TCP connection).
 
@@ -461,17 +467,35 @@ class ChannelPool:
     transfers), while concurrent transfers to one peer spread over connections. All channels of
     an endpoint start connecting when it is first used, so no later transfer pays the TCP and
     HTTP/2 handshakes.
+
+    Endpoints come and go (decode pods of a rollout or a scale-down, or any address a caller
+    names), so an endpoint with no transfer for `idle_s` seconds is closed, as is the least
+    recently used idle one beyond `max_peers`: otherwise each would keep its channels, their
+    reconnect attempts and the threads of their readiness watches for the process's life.
     """
 
-    def __init__(self, channels_per_peer: int = DEFAULT_CHANNELS_PER_PEER) -> None:
+    def __init__(
+        self,
+        channels_per_peer: int = DEFAULT_CHANNELS_PER_PEER,
+        idle_s: float = CHANNEL_IDLE_SECONDS,
+        max_peers: int = MAX_PEERS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.channels_per_peer = channels_per_peer
+        self.idle_s = idle_s
+        self.max_peers = max_peers
+        self._clock = clock
         self._lock = threading.Lock()
         self._channels: dict[str, list[grpc.Channel]] = {}
+        self._ready: dict[str, list[grpc.Future]] = {}
         self._busy: dict[str, list[int]] = {}
+        self._used: dict[str, float] = {}  # endpoint -> last acquire or release
 
     def _pick(self, endpoint: str) -> int:
         """Index of the least busy channel for `endpoint` (created on first use); holds _lock."""
+        now = self._clock()
         if endpoint not in self._channels:
+            self._evict(now)
             chans = [
                 grpc.insecure_channel(
                     endpoint,
@@ -480,13 +504,32 @@ class ChannelPool:
                 )
                 for i in range(self.channels_per_peer)
             ]
-            for c in chans:
-                # Connect now, not on the first RPC (the future unsubscribes once READY).
-                grpc.channel_ready_future(c)
+            # Connect now, not on the first RPC (the future unsubscribes once READY, or when
+            # cancelled at eviction: one that never connects would watch forever).
+            self._ready[endpoint] = [grpc.channel_ready_future(c) for c in chans]
             self._channels[endpoint] = chans
             self._busy[endpoint] = [0] * self.channels_per_peer
+        self._used[endpoint] = now
         busy = self._busy[endpoint]
         return min(range(len(busy)), key=busy.__getitem__)
+
+    def _evict(self, now: float) -> None:
+        """Closes idle endpoints: unused for idle_s, then the oldest beyond max_peers - 1."""
+        idle = sorted(
+            (e for e in self._channels if not any(self._busy[e])), key=self._used.__getitem__
+        )
+        over = len(self._channels) - (self.max_peers - 1)
+        for i, endpoint in enumerate(idle):
+            if i < over or now - self._used[endpoint] >= self.idle_s:
+                self._close(endpoint)
+
+    def _close(self, endpoint: str) -> None:
+        for future in self._ready.pop(endpoint, []):
+            future.cancel()
+        for channel in self._channels.pop(endpoint, []):
+            channel.close()
+        self._busy.pop(endpoint, None)
+        self._used.pop(endpoint, None)
 
     def get(self, endpoint: str) -> grpc.Channel:
         """The channel a transfer would get now (not marked busy)."""
@@ -506,17 +549,20 @@ class ChannelPool:
             busy = self._busy.get(endpoint)
             if busy is not None and busy[index] > 0:
                 busy[index] -= 1
+                self._used[endpoint] = self._clock()
+
+    @property
+    def endpoints(self) -> list[str]:
+        with self._lock:
+            return list(self._channels)
 
     def push_kv(self, endpoint: str) -> grpc.StreamUnaryMultiCallable:
         return push_kv_callable(self.get(endpoint))
 
     def close(self) -> None:
         with self._lock:
-            for chans in self._channels.values():
-                for c in chans:
-                    c.close()
-            self._channels.clear()
-            self._busy.clear()
+            for endpoint in list(self._channels):
+                self._close(endpoint)
 
 
 def push_kv_callable(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
