@@ -142,6 +142,49 @@ def disruption_budget(component: str, service: str, namespace: str, owner: dict)
     }
 
 
+def network_policy(service: str, namespace: str, owner: dict) -> dict:
+    """Ingress to the worker pools: their gRPC ports (unauthenticated: Reserve, Prefill, PushKV,
+    Abort) only from this service's router, and decode's also from its prefill pool (the KV
+    stream); the metrics and probe port from anywhere (Prometheus, the built-in autoscaler's
+    own scrapes; the kubelet's probes are always admitted). Routers stay open to clients."""
+
+    def pods(component: str) -> dict[str, Any]:
+        return {"podSelector": {"matchLabels": selector_labels(service, component)}}
+
+    def ports(*numbers: int) -> list[dict[str, Any]]:
+        return [{"protocol": "TCP", "port": n} for n in numbers]
+
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(
+            child_name(service, "workers"), namespace, common_labels(service, "workers"), owner
+        ),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {
+                    k: v
+                    for k, v in selector_labels(service, "workers").items()
+                    if k != "app.kubernetes.io/component"
+                },
+                "matchExpressions": [
+                    {
+                        "key": "app.kubernetes.io/component",
+                        "operator": "In",
+                        "values": ["prefill", "decode"],
+                    }
+                ],
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [pods("router")], "ports": ports(PREFILL_PORT, DECODE_PORT)},
+                {"from": [pods("prefill")], "ports": ports(DECODE_PORT)},
+                {"ports": ports(METRICS_PORT)},
+            ],
+        },
+    }
+
+
 SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 POD_MONITOR = ("monitoring.coreos.com/v1", "PodMonitor")
 
@@ -278,6 +321,8 @@ def desired_children(
     objects += [pool_service(c, service, namespace, owner) for c in ("prefill", "decode")]
     objects += [deployment(c, service, namespace, spec, image, digest, owner) for c in POOLS]
     objects += [disruption_budget(c, service, namespace, owner) for c in POOLS]
+    if config.network_policies == "on":
+        objects.append(network_policy(service, namespace, owner))
     if monitoring_available and spec.monitoring_enabled and config.monitoring != "off":
         objects += monitors(service, namespace, spec, owner)
     if spec.autoscaling_mode == "HPA":

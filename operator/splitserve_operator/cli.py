@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(and delete them when an LLMService disables monitoring); off: leave monitors alone",
     )
     parser.add_argument(
+        "--network-policies",
+        choices=["on", "off"],
+        default="on",
+        help="on: a NetworkPolicy per LLMService admits only its router (and, to decode, its "
+        "prefill pool) to the workers' gRPC ports; off: leave NetworkPolicies alone",
+    )
+    parser.add_argument(
         "--prometheus-url",
         default=os.environ.get("SPLITSERVE_PROMETHEUS_URL", ""),
         help="Prometheus the built-in autoscaler reads when an LLMService sets no "
@@ -174,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         resync_seconds=args.resync_seconds,
         cluster_domain=args.cluster_domain,
         monitoring=args.monitoring,
+        network_policies=args.network_policies,
         prometheus_url=args.prometheus_url or None,
     )
     try:

@@ -19,5 +19,8 @@ class OperatorConfig:
     # auto: create ServiceMonitor/PodMonitor when monitoring.coreos.com is served (and delete
     # them when an LLMService sets monitoring.enabled false); off: neither create nor delete.
     monitoring: str = "auto"
+    # on: a NetworkPolicy per LLMService admits only its router (and, to decode, its prefill
+    # pool) to the workers' unauthenticated gRPC ports; off: none is made or deleted.
+    network_policies: str = "on"
     # The built-in autoscaler's Prometheus when an LLMService names none.
     prometheus_url: str | None = None

@@ -68,6 +68,7 @@ def test_every_child_has_owner_reference_and_common_labels() -> None:
         ("PodDisruptionBudget", "chat-decode"),
         ("ServiceMonitor", "chat-router"),
         ("PodMonitor", "chat-workers"),
+        ("NetworkPolicy", "chat-workers"),
     }
     for obj in objs.values():
         meta = obj["metadata"]
@@ -174,6 +175,28 @@ def test_a_pool_that_may_scale_to_zero_keeps_the_router_ready() -> None:
     assert router_args("KEDA", 0)[-3:] == sleeping
     assert "--ready-without-workers" not in router_args("Builtin", 1)
     assert "--ready-without-workers" not in router_args("Off", 0)
+
+
+def test_only_the_router_and_prefill_pool_reach_the_worker_grpc_ports() -> None:
+    # The gRPC ports are unauthenticated (Reserve holds blocks, Prefill dials any address).
+    policy = build()[("NetworkPolicy", "chat-workers")]["spec"]
+    selector = policy["podSelector"]
+    assert selector["matchLabels"]["app.kubernetes.io/instance"] == "chat"
+    assert selector["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}
+    ]
+    assert policy["policyTypes"] == ["Ingress"]
+
+    def source(rule: dict) -> str | None:
+        (peer,) = rule.get("from", [{}]) or [{}]
+        labels = peer.get("podSelector", {}).get("matchLabels", {})
+        if labels:
+            assert labels["app.kubernetes.io/instance"] == "chat"
+        return labels.get("app.kubernetes.io/component")
+
+    admitted = {(source(r), p["port"]) for r in policy["ingress"] for p in r["ports"]}
+    assert admitted == {("router", 50051), ("router", 50052), ("prefill", 50052), (None, 9100)}
+    assert "NetworkPolicy" not in {kind for kind, _ in build(network_policies="off")}
 
 
 @pytest.mark.parametrize(("grace", "drain"), [(180, "175"), (30, "25"), (6, "3"), (1, "0.5")])

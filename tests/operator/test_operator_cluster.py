@@ -87,12 +87,16 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
         assert status[pool]["readyReplicas"] == 1 and status[pool]["ready"] == "1/1"
 
     uid = obj["metadata"]["uid"]
-    kinds = "deployments,services,configmaps,poddisruptionbudgets,servicemonitors,podmonitors"
+    kinds = (
+        "deployments,services,configmaps,poddisruptionbudgets,servicemonitors,podmonitors,"
+        "networkpolicies"
+    )
     children = get_json(cp, "-n", namespace, kinds, "-l", "app.kubernetes.io/instance=tiny")
     names = sorted((c["kind"], c["metadata"]["name"]) for c in children["items"])
     assert names == sorted(
         [
             ("ConfigMap", "tiny-config"),
+            ("NetworkPolicy", "tiny-workers"),
             ("PodMonitor", "tiny-workers"),
             *[("Deployment", f"tiny-{p}") for p in POOLS],
             *[("PodDisruptionBudget", f"tiny-{p}") for p in POOLS],

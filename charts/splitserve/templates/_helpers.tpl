@@ -69,6 +69,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
+{{- if .Values.networkPolicies.enabled }}
+# One per LLMService: only its router (and its prefill pool) reach the workers' gRPC ports.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch]
+{{- end }}
 # delete: when an LLMService sets monitoring.enabled false (only the ones it owns).
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, podmonitors]
