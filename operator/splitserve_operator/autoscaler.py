@@ -143,6 +143,9 @@ class Signals:
     request_rate: float = 0.0  # requests per second finishing at the router
     in_flight: float = 0.0  # requests the router serves now
     busy_series: int | None = None  # pods exporting busy seconds (None: not asked)
+    # False: busy seconds are exported but no pod has the two samples in the window a rate
+    # needs (a Prometheus that just started, or lost its data), so `busy` is unknown, not 0.
+    busy_rated: bool = True
 
 
 @dataclass(frozen=True)
@@ -498,6 +501,14 @@ class History:
     )
     tpot_percentile: float | None = None  # the objectives' percentile the points measure
 
+    def resume(self, now: float, gap: float) -> None:
+        """Called before an evaluation adds its recommendation: after none for longer than `gap`
+        (metrics were down, the operator stalled), the time between went unwatched, and a window
+        holding one fresh sample is no agreement: scale-down waits a whole window again."""
+        if self.samples and now - self.samples[-1][0] > gap:
+            self.samples.clear()
+            self.since = now
+
     def add(self, now: float, replicas: int, window: float) -> None:
         if self.since is None:
             self.since = now
@@ -579,40 +590,22 @@ def decide(
     who reads the pods' metrics (Prometheus, or the operator scraping them), for the reasons.
     ratio: bounds on prefill replicas per decode replica, applied after the GPU budget.
     targets: the per-replica load to size for."""
-    hint = "is it scraping them?" if source == "Prometheus" else "can it reach their metrics port?"
     decisions: dict[str, Decision] = {}
     urgency: dict[str, float] = {}
     for pool, state in states.items():
         sig = signals[pool]
         inputs = signal_inputs(state, sig)
-        if state.ready > 0 and sig.reporting == 0:
-            decisions[pool] = Decision(
-                pool,
-                state.replicas,
-                *bound(
-                    state,
-                    state.replicas,
-                    NO_METRICS,
-                    f"{state.ready} pods are ready but {source} has no "
-                    f"splitserve_requests_running series for the {pool} pool: {hint}",
-                ),
-                inputs,
-            )
-            continue
-        if pool == "prefill" and sig.busy_series is not None and sig.busy_series < sig.reporting:
-            decisions[pool] = Decision(
-                pool,
-                state.replicas,
-                *bound(
-                    state,
-                    state.replicas,
-                    NO_METRICS,
-                    f"{sig.reporting - sig.busy_series} of {sig.reporting} prefill pods export no "
-                    "splitserve_busy_seconds_total (workers older than this operator?): "
-                    "utilization cannot be measured",
-                ),
-                inputs,
-            )
+        history = histories.setdefault(pool, History())
+        # Evaluations come every interval, and the signals' window spans several: only a
+        # longer pause than both (and than the stabilization window) is a gap in the watch.
+        history.resume(now, max(window, settle))
+        missing = _unmeasured(pool, state, sig, source)
+        if missing is not None:
+            held = bound(state, state.replicas, NO_METRICS, missing)
+            # Unmeasured is not idle: the replicas it holds count as recommended, so a
+            # scale-down once the series are back waits a whole window past them.
+            history.add(now, held[0], window)
+            decisions[pool] = Decision(pool, state.replicas, *held, inputs)
             continue
         scraped = sig.reporting
         if 0 < scraped < state.ready:
@@ -623,7 +616,6 @@ def decide(
                 waiting=sig.waiting * f,
                 mean_running=None if sig.mean_running is None else sig.mean_running * f,
             )  # fmt: skip
-        history = histories.setdefault(pool, History())
         if pool == "prefill":
             recommended = recommend_prefill(state, sig, objectives, targets)
         else:
@@ -703,12 +695,68 @@ def decide(
         decisions = _within_budget(states, decisions, urgency, gpu_budget)
     if ratio is not None and {"prefill", "decode"} <= decisions.keys():
         decisions = _within_ratio(states, decisions, ratio, gpu_budget)
+    _remember_changes(histories, decisions, now)
+    return decisions
+
+
+def hold(
+    states: dict[str, PoolState],
+    histories: dict[str, History],
+    now: float,
+    window: float,
+    reason: str,
+    settle: float = 0.0,
+) -> dict[str, Decision]:
+    """An evaluation without signals (the metrics source is unavailable): each pool stays
+    where it is, within its [minReplicas, maxReplicas] (a bound changed meanwhile still
+    applies), and that counts as its recommendation, as in decide's NoMetrics."""
+    decisions: dict[str, Decision] = {}
+    for pool, state in states.items():
+        history = histories.setdefault(pool, History())
+        history.resume(now, max(window, settle))
+        held = bound(state, state.replicas, NO_METRICS, reason)
+        history.add(now, held[0], window)
+        inputs = {"replicas": state.replicas, "readyReplicas": state.ready}
+        decisions[pool] = Decision(pool, state.replicas, *held, inputs)
+    _remember_changes(histories, decisions, now)
+    return decisions
+
+
+def _unmeasured(pool: str, state: PoolState, sig: Signals, source: str) -> str | None:
+    """Why the pool's signals cannot be trusted this evaluation (None: they can)."""
+    if state.ready > 0 and sig.reporting == 0:
+        hint = (
+            "is it scraping them?" if source == "Prometheus" else "can it reach their metrics port?"
+        )
+        return (
+            f"{state.ready} pods are ready but {source} has no "
+            f"splitserve_requests_running series for the {pool} pool: {hint}"
+        )
+    if pool != "prefill":
+        return None
+    if sig.busy_series is not None and sig.busy_series < sig.reporting:
+        return (
+            f"{sig.reporting - sig.busy_series} of {sig.reporting} prefill pods export no "
+            "splitserve_busy_seconds_total (workers older than this operator?): "
+            "utilization cannot be measured"
+        )
+    if sig.busy_series and not sig.busy_rated:
+        return (
+            f"{source} holds fewer than two samples of splitserve_busy_seconds_total in the "
+            "window for every prefill pod (did it just start?): utilization cannot be "
+            "measured yet"
+        )
+    return None
+
+
+def _remember_changes(
+    histories: dict[str, History], decisions: dict[str, Decision], now: float
+) -> None:
     for pool, d in decisions.items():
         if d.replicas > d.current:
             histories.setdefault(pool, History()).last_scale_up = now
         if d.replicas != d.current:
             histories.setdefault(pool, History()).last_change = now
-    return decisions
 
 
 def _within_budget(

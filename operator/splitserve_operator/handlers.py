@@ -26,7 +26,7 @@ from .keda import SCALED_OBJECT, SCALED_OBJECTS_PLURAL, keda_hpa_name, keda_prob
 from .kube import Kube, KubeError, Ref
 from .names import MANAGED_BY, child_name, selector_labels
 from .reconcile import ChildConflict, apply_children
-from .scaling import Scaler, ScalerState
+from .scaling import WAKE_SECONDS, Scaler, ScalerState
 from .spec import POOLS, Spec, SpecError, parse_spec
 from .status import compute_status, invalid_status, now_rfc3339, pod_trouble
 
@@ -444,7 +444,9 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
             except Exception as e:  # noqa: BLE001 - one failed evaluation must not end the daemon
                 logger.exception(f"autoscaler evaluation failed: {e}")
                 wait = 15.0
-            await stopped.wait(wait)
+            # At most WAKE_SECONDS: evaluate re-reads the spec, so a shortened interval counts
+            # from the last evaluation instead of waiting out the old one.
+            await stopped.wait(min(wait, WAKE_SECONDS))
 
     def builtin(spec: kopf.Spec, **_: Any) -> bool:
         return bool((spec.get("autoscaling") or {}).get("mode") == "Builtin")

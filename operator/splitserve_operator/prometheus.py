@@ -103,10 +103,13 @@ class PrometheusReader:
         signals: dict[str, Signals] = {}
         for pool in ("prefill", "decode"):
             ps = f'{sel},pool="{pool}"'
+            # No answer at all (not a sum of zeros): no series has two samples in the window.
+            busy = self.value(f"sum(rate(splitserve_busy_seconds_total{{{ps}}}[{w}]))")
             common: dict[str, Any] = dict(
                 reporting=int(self.value(f"count(splitserve_requests_running{{{ps}}})") or 0),
                 busy_series=int(self.value(f"count(splitserve_busy_seconds_total{{{ps}}})") or 0),
-                busy=total(f"rate(splitserve_busy_seconds_total{{{ps}}}[{w}])"),
+                busy=busy or 0.0,
+                busy_rated=busy is not None,
                 running=total(f"splitserve_requests_running{{{ps}}}"),
                 mean_running=total(
                     f"avg_over_time(sum(splitserve_requests_running{{{ps}}})[{w}:])"

@@ -34,6 +34,7 @@ from .autoscaler import (
     RatioBounds,
     Signals,
     decide,
+    hold,
     window_seconds,
 )
 from .config import REPLICAS_FIELD_MANAGER, OperatorConfig
@@ -51,6 +52,13 @@ SCALED_POOLS = ("prefill", "decode")
 # A decision whose verdict and replicas did not change is rewritten at most this often (its
 # inputs move every evaluation; status need not).
 REFRESH_SECONDS = 60.0
+# Until reconcile has created the Deployments, the first evaluation is retried this often, not
+# a whole interval later.
+FIRST_EVALUATION_RETRY_SECONDS = 5.0
+# The daemon wakes at least this often (handlers.py): an evaluation not due yet under the
+# spec's interval only re-reads it, so a shortened interval takes effect without waiting out
+# the old one.
+WAKE_SECONDS = 15.0
 
 # (body, type, reason, message) -> None: posts an Event on the LLMService.
 Emit = Callable[[dict[str, Any], str, str, str], None]
@@ -65,6 +73,7 @@ class ScalerState:
     scraper: DirectScraper | None = None  # the direct source's rounds (no Prometheus URL)
     written: dict[str, Any] = field(default_factory=dict)  # what status last got, minus times
     written_at: float = 0.0
+    evaluated_at: float | None = None  # when the signals were last read
 
 
 class PrometheusSource:
@@ -166,12 +175,19 @@ class Scaler:
             return 15.0  # the reconcile handler reports it
         if spec.autoscaling_mode != "Builtin":
             return spec.autoscaling_interval
+        if state.evaluated_at is not None:
+            # Woken early to re-read the interval (handlers.py): not due yet. A timer firing a
+            # moment early is on time.
+            due = state.evaluated_at + spec.autoscaling_interval - self.clock()
+            if due > 0.5:
+                return due
         deployments = {
             pool: self.kube.get(Ref("apps/v1", "Deployment", namespace, child_name(name, pool)))
             for pool in SCALED_POOLS
         }
         if any(d is None for d in deployments.values()):
-            return spec.autoscaling_interval  # reconcile creates them first
+            # Reconcile creates them first, usually within seconds.
+            return min(spec.autoscaling_interval, FIRST_EVALUATION_RETRY_SECONDS)
         states = {pool: pool_state(spec, pool, d) for pool, d in deployments.items() if d}
         try:
             scrape = parse_duration(spec.monitoring_interval, "spec.monitoring.interval")
@@ -188,12 +204,25 @@ class Scaler:
                 state.scraper = DirectScraper(keep=MIN_WINDOW_SECONDS)
             source = DirectSource(self.kube, namespace, name, state.scraper)
             window = window_seconds(spec.autoscaling_interval, spec.autoscaling_interval)
+        state.evaluated_at = self.clock()
         try:
-            signals = source.read(spec.percentile, window, self.clock())
+            signals = source.read(spec.percentile, window, state.evaluated_at)
         except (MetricsError, KubeError) as e:
-            message = f"{source.description}: {e}; replicas stay as they are"
-            self.report(body, state, METRICS_UNAVAILABLE, message, {})
+            message = (
+                f"{source.description}: {e}; replicas stay as they are, within minReplicas and "
+                "maxReplicas"
+            )
             log.warning(f"autoscaler: {e}")
+            held = hold(
+                states,
+                state.histories,
+                self.clock(),
+                spec.scale_down_stabilization,
+                f"no metrics from {source.description}: replicas stay as they are",
+                settle=window,
+            )
+            scaled = self.apply(body, source, namespace, name, deployments, held, log)
+            self.report(body, state, METRICS_UNAVAILABLE, message, held, scaled, source.description)
             return spec.autoscaling_interval
         objectives = Objectives(spec.ttft_seconds, spec.tpot_seconds, spec.percentile)
         decisions = decide(
@@ -209,6 +238,23 @@ class Scaler:
             ratio=RatioBounds(spec.prefill_per_decode_min, spec.prefill_per_decode_max),
             targets=spec.targets,
         )
+        scaled = self.apply(body, source, namespace, name, deployments, decisions, log)
+        summary = "; ".join(f"{p}: {d.verdict} ({d.reason})" for p, d in decisions.items())
+        self.report(body, state, ACTIVE, summary, decisions, scaled, source.description)
+        return spec.autoscaling_interval
+
+    def apply(
+        self,
+        body: dict[str, Any],
+        source: PrometheusSource | DirectSource,
+        namespace: str,
+        name: str,
+        deployments: dict[str, dict[str, Any] | None],
+        decisions: dict[str, Decision],
+        log: logging.Logger | Any,
+    ) -> dict[str, str]:
+        """Scale the pools whose decision changes replicas, each with an Event; returns when,
+        by pool."""
         scaled: dict[str, str] = {}
         for pool, decision in decisions.items():
             if decision.changes:
@@ -220,9 +266,7 @@ class Scaler:
                 message = f"{pool} {decision.current} -> {decision.replicas}: {decision.reason}"
                 self.emit(body, "Normal", kind, message)
                 log.info(f"autoscaler: {message}")
-        summary = "; ".join(f"{p}: {d.verdict} ({d.reason})" for p, d in decisions.items())
-        self.report(body, state, ACTIVE, summary, decisions, scaled, source.description)
-        return spec.autoscaling_interval
+        return scaled
 
     def scale(
         self,
@@ -284,24 +328,28 @@ class Scaler:
         if verdict_state != (previous.get("state") or ACTIVE) and verdict_state != ACTIVE:
             self.emit(body, "Warning", verdict_state, message)
         stamp = now_rfc3339()
-        fresh: dict[str, Any] = {"state": verdict_state, "message": message}
-        if metrics_source:
-            fresh["metricsSource"] = metrics_source
+        # A merge patch keeps what it does not name: null (delete) what this write lacks.
+        fresh: dict[str, Any] = {
+            "state": verdict_state,
+            "message": message,
+            "metricsSource": metrics_source or None,
+        }
         for pool, d in decisions.items():
             before = previous.get(pool) or {}
             last = before.get("lastDecision") or {}
             same = (last.get("verdict"), last.get("replicas")) == (d.verdict, d.replicas)
-            entry: dict[str, Any] = {
-                "lastDecision": {
-                    "time": last.get("time", stamp) if same and pool not in scaled else stamp,
-                    "evaluated": stamp,
-                    "verdict": d.verdict,
-                    "currentReplicas": d.current,
-                    "replicas": d.replicas,
-                    "reason": d.reason,
-                    "inputs": d.inputs,
-                },
+            decision = {
+                "time": last.get("time", stamp) if same and pool not in scaled else stamp,
+                "evaluated": stamp,
+                "verdict": d.verdict,
+                "currentReplicas": d.current,
+                "replicas": d.replicas,
+                "reason": d.reason,
+                "inputs": d.inputs,
             }
+            # lastScaleTime stays until the next scale; the decision is replaced whole (an input
+            # the last one had, a tpotModel say, must not outlive it).
+            entry: dict[str, Any] = {"lastDecision": replacing(last, decision)}
             if pool in scaled:
                 entry["lastScaleTime"] = scaled[pool]
             if d.verdict in LIMITED and last.get("verdict") != d.verdict:
@@ -316,6 +364,16 @@ class Scaler:
             return
         state.written, state.written_at = key, now
         self.refresh_status(namespace, name)
+
+
+def replacing(before: Any, after: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch that turns `before` into `after`, not a union of the two: the keys
+    of `before` that `after` lacks are set to null, at every level of nested objects."""
+    old = before if isinstance(before, dict) else {}
+    patch: dict[str, Any] = {key: None for key in old if key not in after}
+    for key, value in after.items():
+        patch[key] = replacing(old.get(key), value) if isinstance(value, dict) else value
+    return patch
 
 
 def pool_state(spec: Spec, pool: str, deployment: dict[str, Any]) -> PoolState:

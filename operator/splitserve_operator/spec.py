@@ -27,6 +27,12 @@ _CANONICAL_PATH = re.compile(r"^(/[^/]+)+/?$")
 # torch import behind it, ~560 MiB resident) and runs the HTTP edge on one event loop.
 ROUTER_DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "768Mi"}}
 
+# spec.autoscaling.interval's bounds (the CRD's rule too): a shorter one runs Builtin's ~20
+# Prometheus queries in a hot loop; a longer one makes the signals' window, four intervals,
+# span most of a day, and leaves a shortened interval waiting out the old one.
+MIN_AUTOSCALING_INTERVAL_SECONDS = 1.0
+MAX_AUTOSCALING_INTERVAL_SECONDS = 3600.0
+
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|ms|s|m|h)")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
@@ -66,6 +72,15 @@ def parse_duration(text: str, field_name: str) -> float:
     if total <= 0:
         raise SpecError(f"{field_name}: {text!r} must be positive")
     return total
+
+
+def autoscaling_interval(autoscaling: dict[str, Any]) -> float:
+    """spec.autoscaling.interval in seconds, within its bounds."""
+    text = autoscaling.get("interval", "15s")
+    seconds = parse_duration(text, "spec.autoscaling.interval")
+    if not MIN_AUTOSCALING_INTERVAL_SECONDS <= seconds <= MAX_AUTOSCALING_INTERVAL_SECONDS:
+        raise SpecError(f"spec.autoscaling.interval: {text!r} must be between 1s and 1h")
+    return seconds
 
 
 def parse_quantity(value: int | float | str, field_name: str) -> int:
@@ -329,9 +344,7 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
         autoscaling_mode=mode,
         monitoring_enabled=bool(monitoring.get("enabled", True)),
         monitoring_interval=str(monitoring.get("interval", "15s")),
-        autoscaling_interval=parse_duration(
-            autoscaling.get("interval", "15s"), "spec.autoscaling.interval"
-        ),
+        autoscaling_interval=autoscaling_interval(autoscaling),
         scale_down_stabilization=parse_duration(
             autoscaling.get("scaleDownStabilization", "300s"),
             "spec.autoscaling.scaleDownStabilization",

@@ -90,6 +90,38 @@ def test_bad_flag_exits_2_naming_it(
     assert capsys.readouterr().err.startswith(f"splitserve up: {field}"), flags
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--scale-interval", "inf"], "--scale-interval: inf must be positive and finite"),
+        (["--scale-interval", "nan"], "--scale-interval: nan must be positive and finite"),
+        (
+            ["--scale-down-stabilization", "nan"],
+            "--scale-down-stabilization: nan must be >= 0 and finite",
+        ),
+        (
+            ["--scale-down-stabilization", "inf"],
+            "--scale-down-stabilization: inf must be >= 0 and finite",
+        ),
+    ],
+)
+def test_autoscale_durations_must_be_finite(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # argparse's float() takes them. Checked on the flags alone: were one accepted, `up` itself
+    # would go on to start the stack.
+    import argparse
+
+    from splitserve_workers.local import _check_autoscale, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exit_:
+        _check_autoscale(parser.parse_args(["--autoscale", *flags]), (1, 1, 0))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"splitserve up: {message}\n"
+
+
 def test_model_without_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["up", "--model", str(tmp_path)])

@@ -3,10 +3,13 @@ signals in, replicas and a reason out, per pool."""
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from splitserve_operator import scaling
 from splitserve_operator.autoscaler import (
     AT_MAX,
     AT_MIN,
@@ -28,8 +31,13 @@ from splitserve_operator.autoscaler import (
     Targets,
     decide,
     fit_tpot,
+    hold,
     unreachable_ratio,
 )
+from splitserve_operator.config import OperatorConfig
+from splitserve_operator.kube import Ref
+from splitserve_operator.prometheus import MetricsError, PrometheusReader
+from splitserve_operator.scaling import SCALED_POOLS, Scaler, ScalerState
 
 OBJ = Objectives(ttft_seconds=0.5, tpot_seconds=0.05, percentile=95)
 WINDOW = 300.0
@@ -52,10 +60,11 @@ def steady_decode(pods: int) -> Signals:
 
 
 def watched() -> dict[str, History]:
-    """Histories of an operator that has watched a whole window of lower recommendations."""
+    """Histories of an operator that has watched a whole window of lower recommendations (up
+    to now: a longer pause would restart the watch)."""
     out = {p: History() for p in ("prefill", "decode")}
     for h in out.values():
-        h.add(-WINDOW - 1, 0, WINDOW)
+        h.add(-WINDOW, 0, WINDOW)
     return out
 
 
@@ -203,6 +212,8 @@ def test_wanting_more_than_max_does_not_block_a_later_scale_down() -> None:
     hot = Signals(reporting=4, latency=0.2, kv_usage=0.5, running=10)  # wants 8
     assert run(pool("prefill"), decode, dsig=hot, histories=histories)["decode"].verdict == AT_MAX
     idle = Signals(reporting=4, latency=0.005, kv_usage=0.05, running=1)
+    for now in range(60, int(WINDOW) + 1, 60):
+        run(pool("prefill"), decode, dsig=idle, histories=histories, now=now)
     d = run(pool("prefill"), decode, dsig=idle, histories=histories, now=WINDOW + 1)["decode"]
     assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
 
@@ -682,3 +693,275 @@ def test_a_rollout_or_another_percentile_starts_the_line_afresh() -> None:
     histories["decode"].tpot_percentile = 99.0  # points measured at p99, objective at p95
     d = run(pool("prefill"), pool("decode", 4), dsig=sig, histories=histories)["decode"]
     assert "tpotModel" not in d.inputs and len(histories["decode"].tpot_points) == 1
+
+
+def test_a_pause_longer_than_the_window_restarts_the_stabilization() -> None:
+    # A busy prefill pool evaluated every 15 s, then no evaluation for 6 minutes (metrics down,
+    # the operator stalled): one idle reading after it is no window of agreement.
+    prefill, decode = pool("prefill", 8), pool("decode")
+    busy = Signals(reporting=8, latency=0.3, busy=8 * 0.68)
+    idle = Signals(reporting=8, latency=0.05)
+    histories: dict[str, History] = {}
+    for now in range(0, 600, 15):
+        assert run(prefill, decode, busy, histories=histories, now=now)["prefill"].verdict == STEADY
+    back = 585 + 360
+    d = run(prefill, decode, idle, histories=histories, now=back)["prefill"]
+    assert (d.verdict, d.replicas) == (STABILIZING, 8)
+    assert "waits for 300s of lower recommendations (0s so far)" in d.reason
+    for now in range(back + 15, back + int(WINDOW), 15):
+        assert run(prefill, decode, idle, histories=histories, now=now)["prefill"].verdict == (
+            STABILIZING
+        )
+    d = run(prefill, decode, idle, histories=histories, now=back + WINDOW)["prefill"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
+
+
+def test_an_interval_longer_than_the_window_is_no_pause() -> None:
+    # Every 100 s with a 60 s stabilization window: the signals' window (settle, 4 intervals)
+    # says how far apart evaluations are meant to be.
+    states = {"prefill": pool("prefill"), "decode": pool("decode", 4)}
+    idle = Signals(reporting=4, latency=0.005, kv_usage=0.02, running=1)
+    histories: dict[str, History] = {}
+    verdicts = [
+        decide(
+            states,
+            {"prefill": steady_prefill(2), "decode": idle},
+            OBJ,
+            histories,
+            float(now),
+            60.0,
+            settle=400.0,
+        )["decode"].verdict
+        for now in (0, 100)
+    ]
+    assert verdicts == [STABILIZING, SCALE_DOWN]
+
+
+def test_an_evaluation_without_series_counts_as_holding_the_replicas() -> None:
+    histories = watched()
+    decode = pool("decode", 4)
+    idle = Signals(reporting=4, latency=0.005, kv_usage=0.02, running=1)
+    run(pool("prefill"), decode, dsig=idle, histories=histories, now=-15)
+    d = run(pool("prefill"), decode, dsig=Signals(reporting=0), histories=histories, now=0)
+    assert (d["decode"].verdict, d["decode"].replicas) == (NO_METRICS, 4)
+    # What the pool carried meanwhile is unknown: scale-down waits a window past it.
+    d = run(pool("prefill"), decode, dsig=idle, histories=histories, now=15)
+    assert (d["decode"].verdict, d["decode"].replicas) == (STABILIZING, 4)
+    assert "4 replicas were needed within the last 300s" in d["decode"].reason
+
+
+def test_without_metrics_pools_hold_within_their_bounds() -> None:
+    histories = watched()
+    idle = Signals(reporting=3, latency=0.005, kv_usage=0.02, running=1)
+    run(pool("prefill", 4), pool("decode", 3), dsig=idle, histories=histories, now=-15)
+    # maxReplicas lowered and minReplicas raised while Prometheus is down: the bounds apply.
+    states = {
+        "prefill": pool("prefill", 6, max_replicas=4),
+        "decode": pool("decode", 2, min_replicas=3),
+    }
+    d = hold(states, histories, 0.0, WINDOW, "no metrics from Prometheus at http://prom")
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (SCALE_DOWN, 4)
+    assert d["prefill"].reason == "above maxReplicas 4"
+    assert (d["decode"].verdict, d["decode"].replicas) == (SCALE_UP, 3)
+    assert d["decode"].reason == "below minReplicas 3"
+    states = {"prefill": pool("prefill", 4, max_replicas=4), "decode": pool("decode", 3)}
+    d = hold(states, histories, 15.0, WINDOW, "no metrics from Prometheus at http://prom")
+    assert {p: (x.verdict, x.replicas, x.reason) for p, x in d.items()} == {
+        "prefill": (NO_METRICS, 4, "no metrics from Prometheus at http://prom"),
+        "decode": (NO_METRICS, 3, "no metrics from Prometheus at http://prom"),
+    }
+    # The held replicas count as recommended: the first idle reading after does not shrink.
+    d = run(states["prefill"], states["decode"], dsig=idle, histories=histories, now=30)
+    assert (d["decode"].verdict, d["decode"].replicas) == (STABILIZING, 3)
+
+
+def test_busy_seconds_prometheus_cannot_rate_yet_are_unknown_not_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def query(promql: str) -> list[dict[str, Any]]:
+        if "rate(splitserve_busy_seconds_total" in promql:
+            return []  # a Prometheus that just started: one sample per series, no rate
+        if promql.startswith("histogram_quantile"):
+            return [{"metric": {}, "value": [0, "NaN"]}]
+        return [{"metric": {}, "value": [0, "8" if promql.startswith("count(") else "4"]}]
+
+    reader = PrometheusReader("http://prometheus.invalid")
+    monkeypatch.setattr(reader, "query", query)
+    signals = reader.read("team-a", "chat", 95, 60)
+    assert (signals["prefill"].busy, signals["prefill"].busy_rated) == (0.0, False)
+    d = run(pool("prefill", 8), pool("decode", 8), signals["prefill"], histories=watched())
+    assert (d["prefill"].verdict, d["prefill"].replicas) == (NO_METRICS, 8)
+    assert "fewer than two samples of splitserve_busy_seconds_total" in d["prefill"].reason
+
+
+# ---- the Scaler (scaling.py) against a fake API server ---------------------------------------
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies a merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+class FakeKube:
+    def __init__(self, *objects: dict[str, Any]) -> None:
+        self.objects = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+    def get(self, ref: Any) -> dict[str, Any] | None:
+        obj = self.objects.get((ref.kind, ref.name))
+        return copy.deepcopy(obj)
+
+    def list_objects(self, *_: Any) -> list[dict[str, Any]]:
+        return []
+
+    def apply(self, obj: dict[str, Any], _manager: str) -> None:
+        key = (obj["kind"], obj["metadata"]["name"])
+        self.objects[key] = merge_patch(self.objects[key], obj)
+
+    def patch_status(self, ref: Any, status: dict[str, Any]) -> None:
+        obj = self.objects[(ref.kind, ref.name)]
+        obj["status"] = merge_patch(obj.get("status"), status)
+
+
+def llmservice(prefill: tuple[int, int], decode: tuple[int, int]) -> dict[str, Any]:
+    def bounds(b: tuple[int, int]) -> dict[str, Any]:
+        return {"replicas": b[0], "autoscaling": {"minReplicas": b[0], "maxReplicas": b[1]}}
+
+    return {
+        "apiVersion": "splitserve.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "chat", "namespace": "team-a"},
+        "spec": {
+            "model": {"name": "m", "path": "/models/m"},
+            "prefill": bounds(prefill),
+            "decode": bounds(decode),
+            "autoscaling": {
+                "mode": "Builtin",
+                "metrics": {"prometheus": {"url": "http://prometheus.invalid:9090"}},
+            },
+        },
+    }
+
+
+def deployment(pool_name: str, replicas: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"chat-{pool_name}", "namespace": "team-a", "generation": 1},
+        "spec": {"replicas": replicas},
+        "status": {"replicas": replicas, "readyReplicas": replicas,
+                   "updatedReplicas": replicas, "observedGeneration": 1},
+    }  # fmt: skip
+
+
+LOG = logging.getLogger("test")
+SERVICE = Ref("splitserve.io/v1alpha1", "LLMService", "team-a", "chat")
+
+
+def scaler_on(kube: FakeKube, events: list[tuple[str, str]], now: list[float]) -> Scaler:
+    return Scaler(
+        kube,  # type: ignore[arg-type]
+        OperatorConfig(),
+        refresh_status=lambda namespace, name: None,
+        emit=lambda body, kind, reason, message: events.append((reason, message)),
+        clock=lambda: now[0],
+    )
+
+
+def test_bounds_apply_while_prometheus_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreachable(*_: Any) -> Any:
+        raise MetricsError("http://prometheus.invalid:9090: cannot query Prometheus: refused")
+
+    monkeypatch.setattr(PrometheusReader, "read", unreachable)
+    monkeypatch.setattr(PrometheusReader, "pod_load", unreachable)
+    # maxReplicas lowered to 4 below prefill's 6; minReplicas raised to 3 above decode's 2.
+    kube = FakeKube(llmservice((1, 4), (3, 8)), deployment("prefill", 6), deployment("decode", 2))
+    events: list[tuple[str, str]] = []
+    state = ScalerState()
+    scaler_on(kube, events, [0.0]).evaluate("team-a", "chat", state, LOG)
+    replicas = {
+        p: kube.objects[("Deployment", f"chat-{p}")]["spec"]["replicas"] for p in SCALED_POOLS
+    }
+    assert replicas == {"prefill": 4, "decode": 3}
+    auto = kube.objects[("LLMService", "chat")]["status"]["autoscaler"]
+    assert auto["state"] == "MetricsUnavailable"
+    assert "replicas stay as they are, within minReplicas and maxReplicas" in auto["message"]
+    last = {p: auto[p]["lastDecision"] for p in SCALED_POOLS}
+    assert {p: (d["verdict"], d["currentReplicas"], d["replicas"]) for p, d in last.items()} == {
+        "prefill": (SCALE_DOWN, 6, 4),
+        "decode": (SCALE_UP, 2, 3),
+    }
+    assert {reason for reason, _ in events} >= {"ScaledDown", "ScaledUp", "MetricsUnavailable"}
+    # Held there, and remembered as held: no scale, a NoMetrics verdict.
+    scaler_on(kube, events, [15.0]).evaluate("team-a", "chat", state, LOG)
+    auto = kube.objects[("LLMService", "chat")]["status"]["autoscaler"]
+    assert [auto[p]["lastDecision"]["verdict"] for p in SCALED_POOLS] == [NO_METRICS, NO_METRICS]
+    assert [h.highest() for h in state.histories.values()] == [4, 3]
+
+
+def test_each_status_write_replaces_the_last_decision() -> None:
+    kube = FakeKube(llmservice((1, 4), (1, 8)))
+    events: list[tuple[str, str]] = []
+    now = [0.0]
+    scaler = scaler_on(kube, events, now)
+    state = ScalerState()
+    model = {"alphaSeconds": 0.01, "betaSecondsPerSequence": 0.001, "evaluations": 8}
+    first = Decision("decode", 2, 2, STEADY, "within targets", {"running": 4, "tpotModel": model})
+    body = kube.get(SERVICE)
+    assert body is not None
+    scaler.report(body, state, "Active", "decode: Steady", {"decode": first}, {"decode": "t1"},
+                  "Prometheus at http://prom")  # fmt: skip
+    auto = kube.objects[("LLMService", "chat")]["status"]["autoscaler"]
+    assert auto["decode"]["lastDecision"]["inputs"]["tpotModel"] == model
+    assert (auto["metricsSource"], auto["decode"]["lastScaleTime"]) == (
+        "Prometheus at http://prom",
+        "t1",
+    )
+    # The line is no longer used, and the next write has no metrics source.
+    second = Decision("decode", 2, 2, NO_METRICS, "no metrics", {"running": 5})
+    now[0] = 1.0
+    body = kube.get(SERVICE)
+    assert body is not None
+    scaler.report(body, state, "MetricsUnavailable", "down", {"decode": second})
+    auto = kube.objects[("LLMService", "chat")]["status"]["autoscaler"]
+    assert auto["decode"]["lastDecision"]["inputs"] == {"running": 5}
+    assert "metricsSource" not in auto
+    assert auto["decode"]["lastScaleTime"] == "t1"  # until the next scale
+
+
+def test_the_first_evaluation_is_retried_soon_until_the_deployments_exist() -> None:
+    kube = FakeKube(llmservice((1, 4), (1, 8)))
+    wait = scaler_on(kube, [], [0.0]).evaluate("team-a", "chat", ScalerState(), LOG)
+    assert wait == scaling.FIRST_EVALUATION_RETRY_SECONDS < 15.0
+
+
+def test_a_shortened_interval_counts_from_the_last_evaluation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads: list[float] = []
+
+    def read(*_: Any) -> Any:
+        reads.append(now[0])
+        raise MetricsError("down")  # what counts here is when it reads
+
+    monkeypatch.setattr(PrometheusReader, "read", read)
+    obj = llmservice((1, 4), (1, 8))
+    obj["spec"]["autoscaling"]["interval"] = "1h"
+    kube = FakeKube(obj, deployment("prefill", 1), deployment("decode", 1))
+    now = [0.0]
+    scaler, state = scaler_on(kube, [], now), ScalerState()
+    assert scaler.evaluate("team-a", "chat", state, LOG) == 3600.0 and reads == [0.0]
+    # The daemon wakes every WAKE_SECONDS (an hour is too long to sleep through a spec change).
+    obj["spec"]["autoscaling"]["interval"] = "20s"
+    now[0] = scaling.WAKE_SECONDS
+    assert scaler.evaluate("team-a", "chat", state, LOG) == 20.0 - scaling.WAKE_SECONDS
+    assert reads == [0.0]  # not due yet: it only read the spec
+    now[0] = 20.0
+    assert scaler.evaluate("team-a", "chat", state, LOG) == 20.0 and reads == [0.0, 20.0]

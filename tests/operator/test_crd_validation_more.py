@@ -544,6 +544,28 @@ def test_monitoring_interval_is_a_positive_prometheus_duration(
         assert "spec.monitoring.interval: Invalid value" in proc.stderr, proc.stderr
 
 
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("interval", "ok"),
+    [("1s", True), ("1m30s", True), ("1h", True), ("999ms", False), ("1ns", False),
+     ("61m", False), ("24h", False)],
+)  # fmt: skip
+def test_autoscaling_interval_is_between_a_second_and_an_hour(
+    control_plane: Any, cluster_release: Any, namespace: str, interval: str, ok: bool
+) -> None:
+    patch = {"autoscaling": {"interval": interval}}
+    proc = dry_run(control_plane, namespace, llmservice(patch))
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+        parse_spec(llmservice(patch)["spec"])  # the operator agrees
+    else:
+        assert proc.returncode != 0, f"{interval!r} accepted"
+        assert "spec.autoscaling.interval: Invalid value" in proc.stderr, proc.stderr
+        assert "spec.autoscaling.interval must be between 1s and 1h" in proc.stderr, proc.stderr
+        with pytest.raises(SpecError, match="^spec.autoscaling.interval: "):
+            parse_spec(llmservice(patch)["spec"])
+
+
 @pytest.fixture(scope="module")
 def helm() -> Path:
     import plane  # hack/testplane, on sys.path through tests/conftest.py

@@ -85,6 +85,22 @@ def test_errors_name_the_field(path: str, value: object, field: str) -> None:
         parse_spec(with_(path, value))
 
 
+@pytest.mark.parametrize(
+    ("interval", "seconds"),
+    [("1s", 1.0), ("15s", 15.0), ("1h", 3600.0), ("1ns", None), ("999ms", None), ("1h1s", None)],
+)
+def test_autoscaling_interval_is_between_a_second_and_an_hour(
+    interval: str, seconds: float | None
+) -> None:
+    # Like the CRD's rule: shorter is a hot loop of Prometheus queries, longer a day-long window.
+    spec = with_("autoscaling.interval", interval)
+    if seconds is not None:
+        assert parse_spec(spec).autoscaling_interval == seconds
+        return
+    with pytest.raises(SpecError, match="^spec.autoscaling.interval: .* must be between 1s and 1h"):
+        parse_spec(spec)
+
+
 def test_missing_model_and_pools_are_named() -> None:
     with pytest.raises(SpecError, match="^spec.model: is required"):
         parse_spec({"prefill": {}, "decode": {}})

@@ -481,12 +481,14 @@ def _check_autoscale(
     percentile = 95.0 if args.slo_percentile is None else args.slo_percentile
     if not 0 < percentile < 100:
         raise _usage_error(f"--slo-percentile: {percentile} must be in (0, 100)")
+    # argparse's float() takes "nan" and "inf": an infinite interval never evaluates, and a NaN
+    # window compares false to every age, so an idle pool would never shrink.
     interval = 5.0 if args.scale_interval is None else args.scale_interval
-    if not interval > 0:
-        raise _usage_error(f"--scale-interval: {interval} must be positive")
+    if not (interval > 0 and math.isfinite(interval)):
+        raise _usage_error(f"--scale-interval: {interval} must be positive and finite")
     window = 60.0 if args.scale_down_stabilization is None else args.scale_down_stabilization
-    if window < 0:
-        raise _usage_error(f"--scale-down-stabilization: {window} must be >= 0")
+    if not (window >= 0 and math.isfinite(window)):
+        raise _usage_error(f"--scale-down-stabilization: {window} must be >= 0 and finite")
     ratio = _check_ratio(args, bounds)
     targets = []
     for (flag, _what, default), low_open in zip(TARGET_FLAGS, (True, True, False), strict=True):
