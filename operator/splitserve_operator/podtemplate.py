@@ -39,17 +39,20 @@ def may_sleep(spec: Spec) -> bool:
 
 
 # Seconds of terminationGracePeriodSeconds kept back from the drain for the process to exit
-# (cut what is left, tell its clients, flush) before the kubelet's SIGKILL.
+# (cut what is left, tell its clients, stop its servers: ~1.5-2 s) before the kubelet's
+# SIGKILL: 5, or half a short period but never under 2.
 DRAIN_EXIT_MARGIN_S = 5
+MIN_DRAIN_EXIT_MARGIN_S = 2
 
 
 def drain_timeout(spec: Spec) -> str:
-    """--drain-timeout for every container: the pod's grace period less the exit margin (half
-    the period when it is shorter than twice the margin). The processes' own defaults (60 s
-    workers, 30 s router) would outlast a short grace period, and the kubelet's SIGKILL would
-    end streams with no error event, or cut a long one's drain short."""
+    """--drain-timeout for every container: the pod's grace period less the exit margin. The
+    processes' own defaults (60 s workers, 30 s router) would outlast a short grace period, and
+    the kubelet's SIGKILL would end streams with no error event, or cut a long one's drain
+    short. Under 2 s of grace nothing is left to drain."""
     grace = spec.termination_grace_seconds
-    return f"{max(grace - DRAIN_EXIT_MARGIN_S, grace / 2):g}"
+    margin = min(DRAIN_EXIT_MARGIN_S, max(MIN_DRAIN_EXIT_MARGIN_S, grace / 2))
+    return f"{max(0.0, grace - margin):g}"
 
 
 def container_args(component: str, spec: Spec) -> list[str]:

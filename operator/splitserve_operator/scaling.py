@@ -165,6 +165,17 @@ class Scaler:
         self, namespace: str, name: str, state: ScalerState, log: logging.Logger | Any
     ) -> float:
         """One evaluation; returns the seconds until the next (spec.autoscaling.interval)."""
+        try:
+            return self._evaluate(namespace, name, state, log)
+        except Exception:
+            # Failed part way (a refused scale, an API error): the next wake evaluates again
+            # instead of counting a whole interval from the attempt.
+            state.evaluated_at = None
+            raise
+
+    def _evaluate(
+        self, namespace: str, name: str, state: ScalerState, log: logging.Logger | Any
+    ) -> float:
         ref = Ref(f"{GROUP}/{VERSION}", "LLMService", namespace, name)
         body = self.kube.get(ref)
         if body is None or body["metadata"].get("deletionTimestamp"):

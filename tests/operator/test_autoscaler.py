@@ -35,7 +35,7 @@ from splitserve_operator.autoscaler import (
     unreachable_ratio,
 )
 from splitserve_operator.config import OperatorConfig
-from splitserve_operator.kube import Ref
+from splitserve_operator.kube import KubeError, Ref
 from splitserve_operator.prometheus import MetricsError, PrometheusReader
 from splitserve_operator.scaling import SCALED_POOLS, Scaler, ScalerState
 
@@ -965,3 +965,29 @@ def test_a_shortened_interval_counts_from_the_last_evaluation(
     assert reads == [0.0]  # not due yet: it only read the spec
     now[0] = 20.0
     assert scaler.evaluate("team-a", "chat", state, LOG) == 20.0 and reads == [0.0, 20.0]
+
+
+def test_a_failed_evaluation_is_retried_at_the_next_wake(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A scale the API server refuses (HTTP 500) must not wait out a whole interval.
+    monkeypatch.setattr(
+        PrometheusReader, "read", lambda *_: (_ for _ in ()).throw(MetricsError("down"))
+    )
+    obj = llmservice((1, 4), (3, 8))  # decode's minReplicas 3 above its 2: a scale is due
+    obj["spec"]["autoscaling"]["interval"] = "5m"
+    kube = FakeKube(obj, deployment("prefill", 1), deployment("decode", 2))
+    refused = [True]
+    apply = kube.apply
+
+    def flaky_apply(o: dict[str, Any], manager: str) -> None:
+        if refused.pop() if refused else False:
+            raise KubeError(500, "PATCH", "/apis/apps/v1/deployments/chat-decode", "etcd timeout")
+        apply(o, manager)
+
+    monkeypatch.setattr(kube, "apply", flaky_apply)
+    now = [0.0]
+    scaler, state = scaler_on(kube, [], now), ScalerState()
+    with pytest.raises(KubeError):
+        scaler.evaluate("team-a", "chat", state, LOG)
+    now[0] = scaling.WAKE_SECONDS
+    assert scaler.evaluate("team-a", "chat", state, LOG) == 300.0
+    assert kube.objects[("Deployment", "chat-decode")]["spec"]["replicas"] == 3

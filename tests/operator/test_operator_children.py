@@ -199,7 +199,9 @@ def test_only_the_router_and_prefill_pool_reach_the_worker_grpc_ports() -> None:
     assert "NetworkPolicy" not in {kind for kind, _ in build(network_policies="off")}
 
 
-@pytest.mark.parametrize(("grace", "drain"), [(180, "175"), (30, "25"), (6, "3"), (1, "0.5")])
+@pytest.mark.parametrize(
+    ("grace", "drain"), [(180, "175"), (30, "25"), (8, "4"), (4, "2"), (2, "0"), (1, "0")]
+)
 def test_every_container_drains_within_the_pods_grace_period(grace: int, drain: str) -> None:
     # The kubelet SIGKILLs at the grace period: a drain that outlasts it ends streams with no
     # error event; one far shorter cuts requests the pod had time for.
@@ -211,7 +213,7 @@ def test_every_container_drains_within_the_pods_grace_period(grace: int, drain: 
         assert pod["terminationGracePeriodSeconds"] == grace
         args = pod["containers"][0]["args"]
         assert args[args.index("--drain-timeout") + 1] == drain
-        assert float(drain) < grace
+        assert float(drain) <= grace - 1  # the exit path needs its second or two
 
 
 @pytest.mark.parametrize(

@@ -86,8 +86,7 @@ def model_config(model_dir: str) -> dict[str, Any]:
 
 
 def model_max_len(model_dir: str) -> int:
-    """The context limit the workers' engines use: max_position_embeddings, or an active
-    sliding window when it is shorter (ModelConfig, the engine's own parse)."""
+    """The context limit the workers' engines use (ModelConfig, the engine's own parse)."""
     from splitserve_workers.engine.model_config import ModelConfig
 
     return ModelConfig.from_dir(model_dir).max_model_len
