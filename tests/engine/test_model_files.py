@@ -170,3 +170,21 @@ def test_missing_weights_are_named_as_the_checkpoint_names_them(
         assert name in message
     assert "qkv_proj" not in message and "gate_up_proj" not in message
     assert "q_proj" not in message and "gate_proj" not in message  # those shards arrived
+
+
+def test_which_tokenizers_spell_every_byte(tmp_path: Path, tiny_llama: Path) -> None:
+    # What lets the router refuse a prompt by its size alone: with byte-level BPE or byte
+    # fallback no token stands for more text than its own bytes; without, a run of unknown
+    # characters can fold into one <unk>.
+    from sentencepiece_tokenizers import sp_tokenizer
+
+    assert Tokenizer(tiny_llama).spells_every_byte
+    for style, expected in (("llama", True), ("metaspace", False)):
+        d = tmp_path / style
+        d.mkdir()
+        sp_tokenizer(style, [("▁hello", -1.0)]).save(str(d / "tokenizer.json"))
+        tok = Tokenizer(d)
+        assert tok.spells_every_byte is expected, style
+        if not expected:
+            ids = tok.encode("☃☃☃☃☃☃", add_special_tokens=False)
+            assert ids.count(0) == 1 and len(ids) <= 2  # six characters, one <unk>

@@ -182,6 +182,13 @@ class Tokenizer:
         known = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def spells_every_byte(self) -> bool:
+        """Whether every input byte ends up in some token (byte-level BPE, or SentencePiece
+        byte fallback): then no token stands for more text than its own bytes. Without it an
+        unknown run may fold into one <unk>, however long."""
+        return self._byte_level or self._tok.token_to_id("<0x00>") is not None
+
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most bytes of text any one token stands for (>= 1)."""

@@ -350,7 +350,7 @@ class Router:
         tokenizer threads spend seconds on it (and other requests queue behind it): no token
         covers more than the vocabulary's longest token's bytes, so a text of more bytes than
         that times the limit (times 4, for normalizers that shrink text) cannot fit."""
-        if req.prompt_token_ids is not None:
+        if req.prompt_token_ids is not None or not self.tokenizer.spells_every_byte:
             return
         texts = (
             [req.prompt or ""]
