@@ -77,10 +77,13 @@ def test_keep_large_buffers_in_heap_applies_on_glibc() -> None:
         assert applied
 
 
-def test_idle_and_surplus_endpoints_are_closed() -> None:
+def test_idle_and_surplus_endpoints_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     # Decode pods come and go (rollouts, scale-downs), and any caller can name an endpoint:
     # each one's channels, reconnects and readiness watch must not stay for the process's
-    # life. Nothing listens on these ports; no RPC is made.
+    # life. Nothing listens on these ports; no RPC is made, so every readiness watch is
+    # still running when its endpoint is closed.
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
     now = [0.0]
     pool = ChannelPool(channels_per_peer=2, idle_s=600.0, max_peers=3, clock=lambda: now[0])
     a, b, c, d = (f"127.0.0.1:{port}" for port in (9, 19, 29, 39))
@@ -104,3 +107,6 @@ def test_idle_and_surplus_endpoints_are_closed() -> None:
     finally:
         pool.close()
     assert pool.endpoints == []
+    assert pool.wait_closed(timeout=30)  # bounds a hang only
+    # Closing a channel under grpc's connectivity poller used to kill that thread.
+    assert died == []

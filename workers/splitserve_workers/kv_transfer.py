@@ -60,6 +60,11 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+# grpc's connectivity poller (behind a readiness watch) looks at its subscriptions every 0.2 s;
+# a channel closed under it kills that thread with "Cannot monitor channel state: Channel
+# closed!". A channel whose watch was just cancelled is closed this much later instead.
+CLOSE_AFTER_UNWATCH_S = 1.0
+
 KEEPALIVE_TIME_MS = 10_000  # HTTP/2 ping interval on KV connections (both directions)
 KEEPALIVE_TIMEOUT_MS = 5_000  # no ping acknowledgement within this: the connection is dead
 
@@ -490,6 +495,7 @@ class ChannelPool:
         self._ready: dict[str, list[grpc.Future]] = {}
         self._busy: dict[str, list[int]] = {}
         self._used: dict[str, float] = {}  # endpoint -> last acquire or release
+        self._closers: list[threading.Timer] = []  # deferred closes (CLOSE_AFTER_UNWATCH_S)
 
     def _pick(self, endpoint: str) -> int:
         """Index of the least busy channel for `endpoint` (created on first use); holds _lock."""
@@ -524,10 +530,17 @@ class ChannelPool:
                 self._close(endpoint)
 
     def _close(self, endpoint: str) -> None:
-        for future in self._ready.pop(endpoint, []):
-            future.cancel()
-        for channel in self._channels.pop(endpoint, []):
-            channel.close()
+        """Closes an endpoint's channels: now if they connected, else once grpc's poller has
+        seen their readiness watch cancelled (holds _lock)."""
+        watched = [future.cancel() for future in self._ready.pop(endpoint, [])]
+        for channel, unwatched in zip(self._channels.pop(endpoint, []), watched, strict=True):
+            if not unwatched:
+                channel.close()
+                continue
+            closer = threading.Timer(CLOSE_AFTER_UNWATCH_S, channel.close)
+            closer.daemon = True
+            closer.start()
+            self._closers = [t for t in self._closers if t.is_alive()] + [closer]
         self._busy.pop(endpoint, None)
         self._used.pop(endpoint, None)
 
@@ -563,6 +576,15 @@ class ChannelPool:
         with self._lock:
             for endpoint in list(self._channels):
                 self._close(endpoint)
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Waits for deferred closes; True when every closed channel is closed."""
+        with self._lock:
+            closers = list(self._closers)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for closer in closers:
+            closer.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in closers)
 
 
 def push_kv_callable(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
@@ -746,6 +768,7 @@ class KVSender:
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
         timeout: float | None = None,
         hold_until_done: bool = False,
+        batch_wait: float = BATCH_MAX_WAIT_S,
     ) -> None:
         self.pool = pool
         self.endpoint = endpoint
@@ -755,7 +778,7 @@ class KVSender:
         self.timeout = timeout
         self.expected_token_layers = num_tokens * num_layers
         self.sent_token_layers = 0  # counted in on_kv, i.e. queued
-        self.queue = ChunkQueue(queue_bytes)
+        self.queue = ChunkQueue(queue_bytes, batch_wait)
         self.bytes = 0
         self.chunks = 0
         self.first_kv_at: float | None = None
