@@ -585,3 +585,15 @@ def test_echo_with_logprobs_scores_the_prompt(stack: dict[str, Any], engine: Any
     assert streamed_tokens == lp.tokens
     assert streamed_values[0] is None
     assert streamed_values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+
+def test_the_router_process_never_loads_torch(stack: dict[str, Any]) -> None:
+    # The router tokenizes and relays; it never runs the model. By now it has served chat,
+    # completions, logprobs and errors. torch in a router costs every router pod about
+    # 500 MiB of memory and seconds of start-up (the engine package used to import it eagerly).
+    router = stack["router"]
+    assert router.proc.poll() is None
+    maps = Path(f"/proc/{router.proc.pid}/maps").read_text()
+    loaded = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    assert not [path for path in loaded if "libtorch" in Path(path).name], "torch is loaded"
+    assert any("tokenizers" in path for path in loaded)  # what the router does load

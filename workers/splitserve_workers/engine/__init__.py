@@ -6,12 +6,31 @@ models/llama.py, layers/ (rmsnorm, rope, attention), sequence.py, block_manager.
 scheduler.py, sampling.py, model_runner.py, llm_engine.py (LLMEngine), make_model.py.
 """
 
-from splitserve_workers.engine.config import EngineConfig
-from splitserve_workers.engine.llm_engine import IterationStats, LLMEngine
-from splitserve_workers.engine.model_config import ModelConfig
-from splitserve_workers.engine.sampling import SamplingParams
-from splitserve_workers.engine.sequence import Priority, TokenOutput
-from splitserve_workers.engine.tokenizer import Tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitserve_workers.engine.config import EngineConfig
+    from splitserve_workers.engine.llm_engine import IterationStats, LLMEngine
+    from splitserve_workers.engine.model_config import ModelConfig
+    from splitserve_workers.engine.sampling import SamplingParams
+    from splitserve_workers.engine.sequence import Priority, TokenOutput
+    from splitserve_workers.engine.tokenizer import Tokenizer
+
+# Imported on first use (PEP 562): the router needs only the tokenizer and the model config,
+# and importing the engine's modules eagerly loaded torch into it (about 500 MiB more RSS).
+_EXPORTS = {
+    "EngineConfig": "config",
+    "IterationStats": "llm_engine",
+    "LLMEngine": "llm_engine",
+    "ModelConfig": "model_config",
+    "Priority": "sequence",
+    "SamplingParams": "sampling",
+    "TokenOutput": "sequence",
+    "Tokenizer": "tokenizer",
+}
 
 __all__ = [
     "EngineConfig",
@@ -23,3 +42,12 @@ __all__ = [
     "TokenOutput",
     "Tokenizer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
