@@ -146,6 +146,34 @@ def test_streaming_completion_matches_engine(stack: dict[str, Any], engine: Any)
     assert 1 <= usage.completion_tokens <= 24
 
 
+def test_penalties_and_bias_match_the_engine(stack: dict[str, Any], engine: Any) -> None:
+    # The prefill worker samples the first token, the decode worker the rest: both must
+    # apply the bias and the penalties (and decode count the first token) as one engine does.
+    from splitserve_workers.engine import SamplingParams
+
+    def generate(prompt: list[int], n: int, **kw: Any) -> list[int]:
+        return engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, **kw))[0]
+
+    base = engine.tokenizer.encode(PROMPTS[1])
+    prompt = base + generate(base, 6)  # holds the tokens the model favours next
+    plain = generate(prompt, 16)
+    want = generate(
+        prompt, 16, frequency_penalty=1.1, presence_penalty=0.4, repetition_penalty=1.3,
+        logit_bias={plain[0]: -5.0, plain[3]: 2.0},
+    )  # fmt: skip
+    assert want != plain
+    for stream in (False, True):
+        answer = client(stack).completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=stream,
+            frequency_penalty=1.1, presence_penalty=0.4,
+            logit_bias={str(plain[0]): -5, str(plain[3]): 2},
+            extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+        )  # fmt: skip
+        chunks = list(answer) if stream else [answer]
+        text = "".join(choice.text for chunk in chunks for choice in chunk.choices)
+        assert text == engine.tokenizer.decode(want), stream
+
+
 def _sse_events(stack: dict[str, Any], path: str, body: dict[str, Any]) -> list[Any]:
     """The parsed `data:` events of one streamed request, `[DONE]` as the string."""
     events: list[Any] = []
@@ -366,7 +394,13 @@ def _error(r: httpx.Response) -> dict[str, Any]:
         ("/v1/completions", {"prompt": 42}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
-        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"a": 5}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": [1]}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ("/v1/completions", {"prompt": "hi", "whatever": 1}, 400, "whatever"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
         ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),

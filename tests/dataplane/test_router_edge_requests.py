@@ -128,7 +128,13 @@ async def test_body_not_matching_its_content_encoding_is_a_400(client: TestClien
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("n", True), ("best_of", True), ("presence_penalty", False), ("logprobs", False)],
+    [
+        ("n", True),
+        ("best_of", True),
+        ("presence_penalty", False),
+        ("logprobs", False),
+        ("logit_bias", {"1": True}),
+    ],
 )
 def test_boolean_is_not_a_neutral_number(name: str, value: bool) -> None:
     with pytest.raises(api.APIError) as err:

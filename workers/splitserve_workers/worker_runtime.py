@@ -388,7 +388,11 @@ def request_problem(
 def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
     """Proto sampling -> engine SamplingParams; raises ValueError naming the field."""
     from splitserve_workers.engine import SamplingParams
-    from splitserve_workers.engine.sampling import MAX_PROMPT_LOGPROBS, MAX_TOP_LOGPROBS
+    from splitserve_workers.engine.sampling import (
+        MAX_LOGIT_BIAS_TOKENS,
+        MAX_PROMPT_LOGPROBS,
+        MAX_TOP_LOGPROBS,
+    )
 
     if p.temperature < 0:
         raise ValueError(f"sampling.temperature: {p.temperature} must be >= 0")
@@ -410,12 +414,16 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         raise ValueError(f"sampling.stop: {len(p.stop)} strings, at most {MAX_STOP_STRINGS}")
     if any(len(s) > MAX_STOP_STRING_CHARS for s in p.stop):
         raise ValueError(f"sampling.stop: a string longer than {MAX_STOP_STRING_CHARS} characters")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS_TOKENS:  # before it becomes a dict
+        raise ValueError(
+            f"sampling.logit_bias: {len(p.logit_bias)} tokens, at most {MAX_LOGIT_BIAS_TOKENS}"
+        )
     prompt = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
     if prompt is not None and not 0 <= prompt <= MAX_PROMPT_LOGPROBS:
         raise ValueError(
             f"sampling.prompt_logprobs: {prompt} must be between 0 and {MAX_PROMPT_LOGPROBS}"
         )
-    return SamplingParams(
+    params = SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p if p.top_p > 0 else 1.0,
         top_k=p.top_k,
@@ -427,7 +435,16 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         logprobs=p.logprobs > 0 or p.top_logprobs > 0,
         top_logprobs=p.top_logprobs,
         prompt_logprobs=prompt,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        logit_bias=dict(p.logit_bias),
     )
+    try:
+        params.validate()  # the engine checks logit_bias token ids against its vocabulary
+    except ValueError as e:
+        raise ValueError(f"sampling.{e}") from None
+    return params
 
 
 def priority_from_proto(p: int) -> Any:

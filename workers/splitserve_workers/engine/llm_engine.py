@@ -200,7 +200,7 @@ class LLMEngine:
         prefill_only: bool = False,
         on_kv: OnKV | None = None,
     ) -> Sequence:
-        params.validate()
+        params.validate(self.model_config.vocab_size)
         seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only)
         if on_kv is not None:
             seq.on_kv = _guard(seq, on_kv)
@@ -311,7 +311,10 @@ class LLMEngine:
                     assert seq.params.seed is not None
                     seq.generator.manual_seed(_token_seed(seq.params.seed, seq.num_output_tokens))
             tokens, logprobs, tops = sample(
-                logits, [s.params for s in sampled], [s.generator for s in sampled]
+                logits,
+                [s.params for s in sampled],
+                [s.generator for s in sampled],
+                [(s.token_ids, s.num_prompt_tokens) for s in sampled],
             )
         except Exception:
             # A failed pass fails its batch, not the engine: answer and free those requests.

@@ -1,14 +1,22 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds,
+logit bias and repetition/frequency/presence penalties.
 
 Greedy rows are one batched argmax; random rows are sampled one by one with the request's own
 torch.Generator so a seeded request gives the same tokens whatever else shares its batch.
-Logprobs are the model's raw log-softmax (before temperature/top-k/top-p) of the chosen token,
-and with top_logprobs of the N most likely tokens.
+Logprobs are the model's raw log-softmax (before bias, penalties, temperature/top-k/top-p) of
+the chosen token, and with top_logprobs of the N most likely tokens.
+
+Logit adjustments, in vLLM's order, before temperature: `logit_bias` is added; then
+`repetition_penalty` (transformers' RepetitionPenaltyLogitsProcessor: every token of the prompt
+or the output so far has a positive logit divided by it, a negative one multiplied); then
+OpenAI's `frequency_penalty` times how often each token was generated and `presence_penalty`
+once for each token generated at all (output only, not the prompt) are subtracted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +24,10 @@ import torch
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 MAX_PROMPT_LOGPROBS = 5  # alternatives per prompt token, as the legacy completions API
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampler does)
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|: OpenAI's range
+MAX_REPETITION_PENALTY = 10.0  # beyond this every seen token is as good as banned
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, OpenAI's range (-100 bans, 100 forces)
+MAX_LOGIT_BIAS_TOKENS = 300  # entries per request
 
 
 @dataclass
@@ -32,8 +44,12 @@ class SamplingParams:
     top_logprobs: int = 0  # with logprobs: also the N most likely tokens per step (0-20)
     # The prompt's logprobs too, with this many alternatives per token (0-5); None = not asked.
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0  # subtracted from each token generated at least once
+    frequency_penalty: float = 0.0  # subtracted times each token's count in the output
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output; 1 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature: {self.temperature} must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -59,6 +75,40 @@ class SamplingParams:
                 f"prompt_logprobs: {self.prompt_logprobs} must be between 0 and "
                 f"{MAX_PROMPT_LOGPROBS}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise ValueError(
+                    f"{name}: {value} must be between -{MAX_PENALTY} and {MAX_PENALTY}"
+                )
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty: {self.repetition_penalty} must be > 0")
+        if self.repetition_penalty > MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty: {self.repetition_penalty} must be at most "
+                f"{MAX_REPETITION_PENALTY}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(
+                f"logit_bias: {len(self.logit_bias)} tokens, at most {MAX_LOGIT_BIAS_TOKENS}"
+            )
+        for token, bias in self.logit_bias.items():
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"logit_bias: token id {token} is outside the vocabulary")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias: {bias} for token {token} must be between -{MAX_LOGIT_BIAS} "
+                    f"and {MAX_LOGIT_BIAS}"
+                )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:
@@ -85,17 +135,59 @@ def _sample_row(
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def adjust_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int], int]],
+) -> torch.Tensor:
+    """Logit bias and penalties (see the module docstring) for the rows that ask; the others,
+    and `logits` itself, are left as they are. histories[i]: (prompt + output token ids,
+    number of prompt tokens) of row i."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = out.shape[-1]
+    for i in rows:
+        p = params[i]
+        row = out[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=row.device)
+            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values())).to(row))
+        token_ids, num_prompt = histories[i]
+        if p.repetition_penalty != 1.0 and len(token_ids):
+            seen = torch.unique(torch.tensor(list(token_ids), device=row.device))
+            seen = seen[seen < vocab]
+            scores = row[seen]
+            row[seen] = torch.where(
+                scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty
+            )
+        generated = token_ids[num_prompt:]
+        if (p.frequency_penalty or p.presence_penalty) and len(generated):
+            ids = torch.tensor(list(generated), device=row.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row)
+    return out
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    histories: Sequence[tuple[Sequence[int], int]] | None = None,
 ) -> tuple[list[int], list[float | None], list[list[tuple[int, float]] | None]]:
     """logits: [N, vocab] float32, one row per sequence. Returns token ids, the chosen tokens'
-    logprobs (rows that asked) and the top_logprobs alternatives (rows that asked)."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    logprobs (rows that asked) and the top_logprobs alternatives (rows that asked).
+    histories (needed when a row has penalties): see adjust_logits."""
+    scores = logits
+    if any(p.adjusts_logits for p in params):
+        if histories is None:
+            raise ValueError("sample: penalties need each row's token history")
+        scores = adjust_logits(logits, params, histories)
+    tokens = torch.argmax(scores, dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = _sample_row(logits[i], p, generators[i])
+            tokens[i] = _sample_row(scores[i], p, generators[i])
     logprobs: list[float | None] = [None] * len(params)
     tops: list[list[tuple[int, float]] | None] = [None] * len(params)
     rows = [i for i, p in enumerate(params) if p.logprobs]

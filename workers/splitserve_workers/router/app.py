@@ -297,6 +297,16 @@ class Router:
                 400, f"request body cannot be read: {detail}", code="invalid_body"
             ) from e
 
+    def _check_logit_bias(self, req: api.GenerationRequest) -> None:
+        if self.vocab_size is None:
+            return
+        bad = sorted(t for t in req.logit_bias if t >= self.vocab_size)
+        if bad:
+            raise api.invalid(
+                "logit_bias",
+                f"'logit_bias' token id {bad[0]} is out of the vocabulary (size {self.vocab_size})",
+            )
+
     def _prompt_ids(self, req: api.GenerationRequest) -> tuple[list[int], str]:
         """Token ids and the prompt text (for echo)."""
         if req.kind == "chat":
@@ -409,6 +419,7 @@ class Router:
             )
             if req.model:
                 self._check_model(req.model)
+            self._check_logit_bias(req)
             prompt_ids, prompt_text = await self._tokenize(req)
             max_tokens = self._check_length(req, len(prompt_ids))
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -422,6 +433,10 @@ class Router:
                 ignore_eos=req.ignore_eos,
                 logprobs=1 if req.logprobs else 0,
                 top_logprobs=req.top_logprobs,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias=req.logit_bias,
             )
             if req.prompt_logprobs:
                 sampling.prompt_logprobs = req.top_logprobs

@@ -16,6 +16,12 @@ PRIORITIES = ("interactive", "background")
 MAX_STOP_STRINGS = 4
 MAX_STOP_STRING_CHARS = 1000  # each is matched against the text's tail on every token
 MAX_STOP_TOKEN_IDS = 64  # checked on every token (the workers refuse more)
+# The engine's bounds (engine/sampling.py, which imports torch, so they are repeated here; a
+# test checks they agree): OpenAI's penalty and logit-bias ranges, and our own caps.
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -81,6 +87,10 @@ class GenerationRequest:
     logprobs: bool = False  # the sampled tokens' logprobs
     top_logprobs: int = 0  # and this many most likely tokens at each step
     prompt_logprobs: bool = False  # echo with logprobs: the prompt's tokens get entries too
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension (transformers' semantics); 1 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def prompt_param(self) -> str:
@@ -171,14 +181,40 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return list(value)
 
 
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's logit_bias: an object of token ids (as strings, JSON's keys) to -100..100."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _wrong_type("logit_bias", "an object mapping token ids to numbers", value)
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid(
+            "logit_bias",
+            f"'logit_bias' accepts at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}",
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key.strip()
+        if not (token.isascii() and token.isdigit()) or int(token) > INT32_MAX:
+            raise invalid(
+                "logit_bias", f"'logit_bias' keys must be token ids, got {json.dumps(key)[:40]}"
+            )
+        if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise invalid(
+                "logit_bias",
+                f"'logit_bias' values must be numbers between -{MAX_LOGIT_BIAS:g} and "
+                f"{MAX_LOGIT_BIAS:g}, got {json.dumps(bias)[:40]} for token {token}",
+            )
+        out[int(token)] = float(bias)
+    return out
+
+
 # Parameters OpenAI defines that the router accepts only at their neutral value: a request that
 # asks for the feature gets a 400 naming it instead of being silently served without it.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -217,6 +253,10 @@ _COMMON = {
     "top_p",
     "top_k",
     "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
     "stop",
     "stream",
     "stream_options",
@@ -318,6 +358,11 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     req.top_p = 1.0 if top_p is None else top_p
     req.top_k = _int(body, "top_k", 0, INT32_MAX) or 0
     req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    req.presence_penalty = _float(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
+    req.frequency_penalty = _float(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
+    repetition = _float(body, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+    req.repetition_penalty = 1.0 if repetition is None else repetition
+    req.logit_bias = _logit_bias(body)
     req.stop = _stop(body)
     ids = body.get("stop_token_ids")
     if ids is not None:
