@@ -21,6 +21,11 @@ from .names import (
 )
 from .spec import Spec
 
+# The writable /tmp (HOME) of every pod: Python and torch caches. Bounded so a runaway writer
+# gets its pod evicted instead of filling the node's disk; a model volume may still be mounted
+# under /tmp (a nested mount, not counted here).
+TMP_SIZE_LIMIT = "1Gi"
+
 RUN_AS_USER = 10001  # the worker image's USER (Dockerfile.worker); a test keeps them equal
 MODEL_VOLUME = "model"
 
@@ -149,7 +154,7 @@ def pod_template(
     volumes, mounts = model_volume(spec)
     volumes = [
         {"name": "config", "configMap": {"name": child_name(service, "config")}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
         *volumes,
     ]
     mounts = [

@@ -166,6 +166,7 @@ def test_operator_pod_is_hardened(helm: Path) -> None:
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
 
 
 def test_optional_dashboard_and_scrape_config(helm: Path) -> None:

@@ -268,6 +268,9 @@ def test_pods_are_hardened() -> None:
         assert sc["readOnlyRootFilesystem"] is True
         assert sc["capabilities"] == {"drop": ["ALL"]}
         assert pod["automountServiceAccountToken"] is False
+        # The only writable path is bounded: a runaway writer is evicted, the node's disk kept.
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
 
 
 def test_pods_run_as_the_worker_images_user() -> None:
