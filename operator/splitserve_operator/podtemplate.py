@@ -21,10 +21,11 @@ from .names import (
 )
 from .spec import Spec
 
-# The writable /tmp (HOME) of every pod: Python and torch caches. Bounded so a runaway writer
-# gets its pod evicted instead of filling the node's disk; a model volume may still be mounted
-# under /tmp (a nested mount, not counted here).
-TMP_SIZE_LIMIT = "1Gi"
+# The writable /tmp (HOME) of every pod: Python, torch and CUDA's JIT cache (~/.nv, capped by
+# the driver at CUDA_CACHE_MAXSIZE, at most 4 GiB). Bounded so a runaway writer gets its pod
+# evicted instead of filling the node's disk; a model volume may still be mounted under /tmp
+# (a nested mount, not counted here).
+TMP_SIZE_LIMIT = "8Gi"
 
 RUN_AS_USER = 10001  # the worker image's USER (Dockerfile.worker); a test keeps them equal
 MODEL_VOLUME = "model"

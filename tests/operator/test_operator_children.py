@@ -270,7 +270,7 @@ def test_pods_are_hardened() -> None:
         assert pod["automountServiceAccountToken"] is False
         # The only writable path is bounded: a runaway writer is evicted, the node's disk kept.
         volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}}
 
 
 def test_pods_run_as_the_worker_images_user() -> None:
