@@ -45,6 +45,7 @@ class Sample:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
 
 
 async def one_request(
@@ -90,6 +91,7 @@ async def one_request(
         tpot=(last - first) / (n - 1) if n > 1 else 0.0,
         e2e=last - start,
         itls=[b - a for a, b in zip(times, times[1:], strict=False)],
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
     )
 
 

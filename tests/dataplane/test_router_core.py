@@ -13,8 +13,8 @@ from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.router import openai_api as api
 from splitserve_workers.router.detok import IncrementalDetokenizer
 from splitserve_workers.router.discovery import DnsDiscovery, StaticDiscovery, split_endpoints
-from splitserve_workers.router.flow import Flow, FlowError, FlowRequest, FlowSettings
-from splitserve_workers.router.picking import Worker, WorkerLoad, WorkerPool, choose
+from splitserve_workers.router.flow import Flow, FlowError, FlowRequest, FlowSettings, _prefilled
+from splitserve_workers.router.picking import PrefixIndex, Worker, WorkerLoad, WorkerPool, choose
 
 # ---- detokenization -----------------------------------------------------------------------
 
@@ -243,6 +243,68 @@ def test_round_robin_and_unknown_policy() -> None:
     assert picked == {"a:1", "b:1"}
     with pytest.raises(ValueError, match="policy"):
         choose(ws, "fastest")
+
+
+def test_cache_aware_counts_the_tokens_left_to_compute() -> None:
+    a = WorkerLoad("a:1", healthy=True, queued_tokens=300)
+    b = WorkerLoad("b:1", healthy=True, queued_tokens=100)
+    # Without cache hits it is least_queued_tokens.
+    assert choose([a, b], "cache_aware", prompt_tokens=1000) is b
+    # a holds 512 of the prompt's tokens: 300 + 488 to compute there, 100 + 1000 on b.
+    assert choose([a, b], "cache_aware", prompt_tokens=1000, cached_tokens={"a:1": 512}) is a
+    # Once a's queue outweighs what its cache saves, b again.
+    a.pending_tokens = 700
+    assert choose([a, b], "cache_aware", prompt_tokens=1000, cached_tokens={"a:1": 512}) is b
+
+
+def test_a_computed_prompt_stops_counting_as_queued() -> None:
+    load = WorkerLoad("a:1", healthy=True)
+    load.pending_tokens, load.pending_requests = 100, 1  # sent since the last report
+    _prefilled(load, load.reports, 100, 1)
+    assert (load.pending_tokens, load.pending_requests) == (0, 0)
+    load.pending_tokens = 50
+    sent = load.reports
+    # A report landed while it was computed, counting it as queued (and dropping the delta).
+    load.reports, load.queued_tokens, load.pending_tokens = load.reports + 1, 80, 0
+    _prefilled(load, sent, 50)
+    assert (load.queued_tokens, load.pending_tokens) == (30, 0)
+
+
+def test_prefix_index_matches_leading_blocks_only() -> None:
+    index = PrefixIndex()
+    first = list(range(100, 148))  # 3 blocks of 16
+    index.record(index.hashes(first, 16), "a:1")
+    index.record(index.hashes(first[:32] + [7] * 16, 16), "b:1")
+    assert index.matched_blocks(index.hashes(first + [1, 2, 3], 16)) == {"a:1": 3, "b:1": 2}
+    assert index.matched_blocks(index.hashes(first[:20], 16)) == {"a:1": 1, "b:1": 1}
+    # The same block after a different first block is another prefix.
+    assert index.matched_blocks(index.hashes([9] * 16 + first[16:], 16)) == {}
+    assert index.hashes(first[:15], 16) == []  # no full block
+
+
+def test_prefix_index_forgets_least_recently_used() -> None:
+    index = PrefixIndex(max_entries=4)
+    old, new = [1] * 32, [2] * 48
+    index.record(index.hashes(old, 16), "a:1")
+    index.record(index.hashes(new, 16), "b:1")  # 5 entries: old's first block goes
+    assert len(index) == 4
+    assert index.matched_blocks(index.hashes(old, 16)) == {}
+    assert index.matched_blocks(index.hashes(new, 16)) == {"b:1": 3}
+
+
+def test_cache_aware_pool_sends_a_conversation_back_to_its_worker() -> None:
+    pool = fake_pool("prefill", {"a:1": (64, 64), "b:1": (64, 64)})
+    pool.policy = "cache_aware"
+    turn1 = list(range(10, 90))
+    first = pool.pick(prompt=turn1)
+    assert first is not None
+    first.load.pending_tokens += 50  # a little busier than the other now
+    turn2 = turn1 + list(range(200, 240))
+    assert pool.pick(prompt=turn2) is first  # 80 cached tokens outweigh 50 queued
+    other = pool.pick(prompt=list(range(500, 580)))  # a new conversation: the idler worker
+    assert other is not None and other is not first
+    # A worker excluded (it failed) is never picked, cache or not.
+    assert pool.pick({first.load.endpoint}, prompt=turn2) is other
 
 
 # ---- discovery ----------------------------------------------------------------------------

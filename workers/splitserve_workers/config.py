@@ -54,7 +54,7 @@ class RouterSettings:
     decode_endpoints: list[str] = field(default_factory=list)
     prefill_service: str = ""  # dns: headless Service host:port
     decode_service: str = ""
-    prefill_policy: str = "least_queued_tokens"
+    prefill_policy: str = "cache_aware"
     decode_policy: str = "most_free_blocks"
     max_request_bytes: int = 4 << 20
 

@@ -49,7 +49,12 @@ from splitserve_workers.router.flow import (
     TokenChunk,
     finish_aborts,
 )
-from splitserve_workers.router.picking import WorkerPool
+from splitserve_workers.router.picking import (
+    COLOCATED_POLICIES,
+    DECODE_POLICIES,
+    PREFILL_POLICIES,
+    WorkerPool,
+)
 
 log = logging.getLogger("splitserve.router")
 
@@ -67,9 +72,9 @@ class RouterOptions:
     vocab_size: int | None = None  # the model's (embedding rows); token-id prompts must fit
     service: str = "local"
     discovery: Discovery = field(default_factory=StaticDiscovery)
-    prefill_policy: str = "least_queued_tokens"
+    prefill_policy: str = "cache_aware"
     decode_policy: str = "most_free_blocks"
-    colocated_policy: str = "least_loaded"
+    colocated_policy: str = "cache_aware"
     max_request_bytes: int = 4 << 20
     poll_interval: float = 0.5
     flow: FlowSettings = field(default_factory=FlowSettings)
@@ -778,15 +783,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON {role: [host:port, ...]} re-read when it changes (instead of the lists above; "
         "local mode's autoscaler rewrites it)",
     )
-    parser.add_argument(
-        "--prefill-policy", choices=("least_queued_tokens", "round_robin", "random")
-    )
-    parser.add_argument("--decode-policy", choices=("most_free_blocks", "round_robin", "random"))
-    parser.add_argument(
-        "--colocated-policy",
-        default="least_loaded",
-        choices=("least_loaded", "most_free_blocks", "round_robin", "random"),
-    )
+    parser.add_argument("--prefill-policy", choices=PREFILL_POLICIES)
+    parser.add_argument("--decode-policy", choices=DECODE_POLICIES)
+    parser.add_argument("--colocated-policy", default="cache_aware", choices=COLOCATED_POLICIES)
     parser.add_argument("--max-request-bytes", type=int)
     parser.add_argument(
         "--poll-interval", type=float, default=0.5, help="seconds between Load polls of each worker"

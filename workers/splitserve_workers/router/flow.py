@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from splitserve_workers.proto import serving_pb2
-from splitserve_workers.router.picking import Worker, WorkerPool
+from splitserve_workers.router.picking import Worker, WorkerLoad, WorkerPool
 
 log = logging.getLogger("splitserve.router")
 
@@ -130,6 +130,19 @@ class FlowRequest:
 
 
 _background: set[asyncio.Task[Any]] = set()
+
+
+def _prefilled(load: WorkerLoad, sent_at_report: int, tokens: int, requests: int = 0) -> None:
+    """A prompt this router sent to the worker has been computed: it is no longer queued there,
+    whether it was still a router-side delta or a report taken since counted it. (Left counted
+    until the next poll, a worker that just served a burst looked busy for up to a poll
+    interval after, and cache_aware routing sent a conversation's next turn away from the
+    worker that caches it.)"""
+    if load.reports == sent_at_report:
+        load.pending_tokens = max(0, load.pending_tokens - tokens)
+        load.pending_requests = max(0, load.pending_requests - requests)
+    else:
+        load.queued_tokens = max(0, load.queued_tokens - tokens)
 
 
 def _spawn(coro: Any) -> None:
@@ -392,9 +405,11 @@ class Flow:
                     raise FlowError(502, f"prefill failed on {attempt} worker(s): {last_error}")
                 # Each attempt gets its own id: leftovers of a failed one never collide.
                 worker_rid = req.request_id if attempt == 0 else f"{req.request_id}.r{attempt}"
-                prefill = self.prefill.pick(failed_prefill)
+                prompt = req.prompt_token_ids
+                prefill = self.prefill.pick(failed_prefill, prompt)
                 if prefill is None and failed_prefill:
-                    prefill = self.prefill.pick()  # every worker failed once: try again anyway
+                    # Every worker failed once: try again anyway.
+                    prefill = self.prefill.pick(prompt=prompt)
                 if prefill is None:
                     # None now (a pool at zero waking up, or every worker restarting): wait.
                     wait_until = await self._wait_for_workers(
@@ -407,13 +422,14 @@ class Flow:
                     # worker picked before it may have died or started draining meanwhile.
                     # Another with the same ModelSpec (the one the reservation was checked
                     # against) takes its place instead of wasting an attempt.
-                    other = self.prefill.pick(failed_prefill)
+                    other = self.prefill.pick(failed_prefill, prompt)
                     if other is not None and other.model == prefill.model:
                         prefill = other
                 self.stats.prefill_attempts += 1
                 self.stats.prefill_endpoint = prefill.load.endpoint
                 prefill.load.pending_tokens += len(req.prompt_token_ids)
                 prefill.load.pending_requests += 1
+                sent_at_report = prefill.load.reports
                 prefill_done = False
                 prefill_call = prefill.stub.Prefill(
                     serving_pb2.PrefillRequest(
@@ -430,6 +446,7 @@ class Flow:
                         kind = event.WhichOneof("event")
                         if kind == "first_token" and first is None:
                             first = event.first_token
+                            _prefilled(prefill.load, sent_at_report, len(req.prompt_token_ids), 1)
                             self.stats.prefill_queue_seconds = first.queue_seconds
                             self.stats.prefill_compute_seconds = first.compute_seconds
                             self.stats.num_cached_tokens = first.num_cached_tokens
@@ -526,7 +543,7 @@ class Flow:
             while True:
                 if len(failed) >= self.settings.max_prefill_attempts:
                     raise FlowError(502, f"failed on {len(failed)} worker(s): {last_error}")
-                worker = self.colocated.pick(failed | too_small.keys())
+                worker = self.colocated.pick(failed | too_small.keys(), req.prompt_token_ids)
                 if worker is None:
                     if failed:
                         raise FlowError(502, f"every colocated worker failed: {last_error}")
@@ -545,6 +562,7 @@ class Flow:
                     continue
                 worker.load.pending_tokens += len(req.prompt_token_ids)
                 worker.load.pending_requests += 1
+                sent_at_report = worker.load.reports
                 self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint
                 start = time.monotonic()
                 done = False
@@ -561,6 +579,7 @@ class Flow:
                     async for event in call:
                         if not got_token and event.token_ids:
                             got_token = True
+                            _prefilled(worker.load, sent_at_report, len(req.prompt_token_ids))
                             self.stats.num_cached_tokens = event.num_cached_tokens
                             self.stats.prefill_compute_seconds = time.monotonic() - start
                         chunk = self._chunk(event)

@@ -1,7 +1,10 @@
 """Which worker gets the next request. A pure core (`choose`) ranks workers from their last Load
 report plus what this router has sent them since; a thin shell (`WorkerPool`) keeps one gRPC
-channel per endpoint from discovery.py and polls Load. Prefill goes to the fewest queued tokens
-(TTFT is queueing + compute), decode to the most free KV blocks (admission is block-bound)."""
+channel per endpoint from discovery.py and polls Load. Prefill goes to the worker with the
+fewest tokens to compute before this prompt's first token: its queued tokens plus this prompt
+less the prefix it likely still caches (`cache_aware`, from the prompts this router sent it:
+`PrefixIndex`), so a conversation's next turn or a shared system prompt lands where its KV
+already is; decode goes to the most free KV blocks (admission is block-bound)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import contextlib
 import logging
 import random
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +25,16 @@ from splitserve_workers.router.discovery import Discovery
 
 log = logging.getLogger("splitserve.router")
 
-PREFILL_POLICIES = ("least_queued_tokens", "round_robin", "random")
+PREFILL_POLICIES = ("cache_aware", "least_queued_tokens", "round_robin", "random")
 DECODE_POLICIES = ("most_free_blocks", "round_robin", "random")
-COLOCATED_POLICIES = ("least_loaded", "most_free_blocks", "round_robin", "random")
+COLOCATED_POLICIES = ("least_loaded", "cache_aware", "most_free_blocks", "round_robin", "random")
+
+# PrefixIndex: block hashes remembered (LRU), 16 bytes of key plus a small dict each: about
+# 20 MB at the bound, which covers 4 M prompt tokens at 16-token blocks.
+PREFIX_INDEX_ENTRIES = 1 << 18
+# Only a prompt's first blocks are hashed (on the event loop): 64 K tokens at 16-token blocks.
+PREFIX_INDEX_MAX_BLOCKS = 4096
+DEFAULT_BLOCK_SIZE = 16  # until a worker's Load report gives the engine's
 
 # Small messages on router channels: the router never carries KV. Keepalive so a peer that
 # vanishes without a TCP reset (node loss) is noticed in seconds, not minutes.
@@ -64,6 +76,7 @@ class WorkerLoad:
     pending_tokens: int = 0
     pending_requests: int = 0
     pending_blocks: int = 0
+    reports: int = 0  # Load reports taken so far (which report a delta was counted against)
 
     def effective_queued_tokens(self) -> int:
         return self.queued_tokens + self.pending_tokens
@@ -72,19 +85,87 @@ class WorkerLoad:
         return self.free_blocks - self.pending_blocks
 
 
+class PrefixIndex:
+    """Which workers this router sent which prompt prefixes to: chained hashes of a prompt's
+    full blocks, each with the endpoints that got a prompt starting with it, least recently
+    used forgotten first. A guess about the workers' prefix caches (they evict on their own,
+    a restarted worker has none, other routers send them prompts too), so it only ranks
+    workers; it never decides correctness."""
+
+    def __init__(
+        self, max_entries: int = PREFIX_INDEX_ENTRIES, max_blocks: int = PREFIX_INDEX_MAX_BLOCKS
+    ) -> None:
+        self.max_entries = max_entries
+        self.max_blocks = max_blocks
+        self._holders: OrderedDict[int, dict[str, None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def hashes(self, tokens: Sequence[int], block_size: int) -> list[int]:
+        """Chained hashes of the leading full blocks (block i's covers blocks 0..i)."""
+        out: list[int] = []
+        h = 0
+        n = min(len(tokens) // block_size, self.max_blocks)
+        for i in range(n):
+            h = hash((h, *tokens[i * block_size : (i + 1) * block_size]))
+            out.append(h)
+        return out
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        """endpoint -> how many leading blocks of this prompt it was sent before."""
+        matched: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(hashes):
+            holders = self._holders.get(h)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive.intersection(holders)
+            if not alive:
+                break
+            for endpoint in alive:
+                matched[endpoint] = i + 1
+        return matched
+
+    def record(self, hashes: Sequence[int], endpoint: str) -> None:
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is None:
+                holders = self._holders[h] = {}
+            else:
+                self._holders.move_to_end(h)
+            holders[endpoint] = None
+        while len(self._holders) > self.max_entries:
+            self._holders.popitem(last=False)
+
+
 def choose(
     workers: list[WorkerLoad],
     policy: str,
     exclude: set[str] | frozenset[str] = frozenset(),
     counter: int = 0,
     rng: random.Random | None = None,
+    prompt_tokens: int = 0,
+    cached_tokens: dict[str, int] | None = None,
 ) -> WorkerLoad | None:
     """The worker to use, or None when no healthy, non-draining worker is left. Ties break by
-    endpoint name so picking is deterministic."""
+    endpoint name so picking is deterministic. `cache_aware` needs the prompt's length and,
+    per endpoint, how many of its tokens that worker likely has cached."""
     candidates = [w for w in workers if w.healthy and not w.draining and w.endpoint not in exclude]
     if not candidates:
         return None
     candidates.sort(key=lambda w: w.endpoint)
+    if policy == "cache_aware":
+        cached = cached_tokens or {}
+        # Tokens to compute before this prompt's first token on that worker (queueing plus
+        # the uncached part of this prompt); without cache hits, least_queued_tokens.
+        return min(
+            candidates,
+            key=lambda w: (
+                w.effective_queued_tokens() + prompt_tokens - cached.get(w.endpoint, 0),
+                w.pending_requests,
+            ),
+        )
     if policy == "least_queued_tokens":
         return min(candidates, key=lambda w: (w.effective_queued_tokens(), w.pending_requests))
     if policy == "most_free_blocks":
@@ -150,6 +231,7 @@ class WorkerPool:
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
+        self.prefixes = PrefixIndex()
 
     async def start(self) -> None:
         await self.refresh()
@@ -222,13 +304,35 @@ class WorkerPool:
         load.total_blocks = report.total_blocks
         # The report now includes what this router sent before the poll started.
         load.pending_tokens = load.pending_requests = load.pending_blocks = 0
+        load.reports += 1
         worker.model = report.model
         worker.last_report = time.monotonic()
 
-    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
+    def pick(
+        self, exclude: set[str] | frozenset[str] = frozenset(), prompt: Sequence[int] = ()
+    ) -> Worker | None:
+        """The worker for a request; with `cache_aware`, `prompt` is what it will prefill
+        (recorded as sent to the worker picked)."""
         self._counter += 1
-        load = choose([w.load for w in self.workers.values()], self.policy, exclude, self._counter)
-        return None if load is None else self.workers[load.endpoint]
+        loads = [w.load for w in self.workers.values()]
+        if self.policy != "cache_aware" or not prompt:
+            load = choose(loads, self.policy, exclude, self._counter)
+            return None if load is None else self.workers[load.endpoint]
+        block = self.block_size()
+        hashes = self.prefixes.hashes(prompt, block)
+        cached = {e: n * block for e, n in self.prefixes.matched_blocks(hashes).items()}
+        load = choose(loads, self.policy, exclude, self._counter, None, len(prompt), cached)
+        if load is None:
+            return None
+        self.prefixes.record(hashes, load.endpoint)
+        return self.workers[load.endpoint]
+
+    def block_size(self) -> int:
+        """The workers' KV block size (their engines hash prompts in such blocks)."""
+        for worker in self.workers.values():
+            if worker.model.block_size:
+                return int(worker.model.block_size)
+        return DEFAULT_BLOCK_SIZE
 
     def mark_failed(self, endpoint: str) -> None:
         """A call to this worker failed: stop picking it until a Load poll succeeds again."""

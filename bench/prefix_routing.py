@@ -1,0 +1,144 @@
+"""Prefill routing benchmark: multi-turn conversations through the router, with the prefill pool
+picked by `cache_aware` (a conversation's next turn goes where its history is cached) against
+`least_queued_tokens` (load only), same model, same stack shape, same conversations.
+
+Every conversation resends its whole history plus a new message each turn, as chat clients do;
+conversations run concurrently, each one turn at a time. Reports per policy: the fraction of
+prompt tokens served from the prefill workers' prefix caches (the API's `cached_tokens`) and
+TTFT p50/p90 of the turns after the first, and the ratio of the two policies' TTFTs. Prints a
+table and writes bench/results/prefix_routing.json.
+
+Run: python bench/prefix_routing.py [--model DIR | --preset small] [--prefill 2] [--decode 1]
+     [--conversations 8] [--turns 4] [--first-len 384] [--turn-len 96] [--output-len 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from splitserve_workers.local import ensure_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import Stack, one_request, percentiles  # noqa: E402 - the serving benchmark's
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POLICIES = ("cache_aware", "least_queued_tokens")
+
+
+async def turn(
+    session: aiohttp.ClientSession, base: str, prompt: list[int], output_len: int
+) -> tuple[float, int]:
+    """(TTFT seconds, cached prompt tokens) of one streamed completion."""
+    sample = await one_request(session, base, prompt, output_len)
+    if not sample.ok:
+        raise RuntimeError(sample.error)
+    return sample.ttft, sample.cached_tokens
+
+
+async def conversations(base: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(4, vocab) for _ in range(n)]
+
+    histories = [tokens(args.first_len) for _ in range(args.conversations)]
+    news = [[tokens(args.turn_len) for _ in range(args.turns)] for _ in histories]
+    later: list[tuple[float, int, int]] = []  # (ttft, cached, prompt tokens) of turns >= 2
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        # Warm-up on prompts no conversation shares: one-time costs in every worker.
+        await asyncio.gather(*(turn(session, base, tokens(64), 2) for _ in range(4)))
+
+        async def talk(c: int) -> None:
+            prompt = histories[c]
+            for t in range(args.turns):
+                ttft, cached = await turn(session, base, prompt, args.output_len)
+                if t:
+                    later.append((ttft, cached, len(prompt)))
+                prompt = prompt + news[c][t]
+
+        started = time.perf_counter()
+        await asyncio.gather(*(talk(c) for c in range(args.conversations)))
+        duration = time.perf_counter() - started
+    return {
+        "duration_s": duration,
+        "later_turns": len(later),
+        "cached_fraction": sum(c for _, c, _ in later) / max(1, sum(n for _, _, n in later)),
+        "ttft_s": percentiles([t for t, _, _ in later]),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--first-len", type=int, default=384, help="first prompt's tokens")
+    p.add_argument("--turn-len", type=int, default=96, help="tokens each turn adds")
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS / "prefix_routing.json"))
+    args = p.parse_args()
+
+    model = ensure_model(args.model, args.preset)
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    shape = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+    results: dict[str, Any] = {}
+    for policy in POLICIES:
+        log_dir = Path(tempfile.mkdtemp(prefix=f"splitserve-bench-{policy}-"))
+        config = log_dir / "config.yaml"
+        config.write_text(json.dumps({"router": {"prefill_policy": policy}}))  # JSON is YAML
+        stack = Stack(model, args.device, [*shape, "--config", str(config)], log_dir)
+        try:
+            results[policy] = asyncio.run(
+                conversations(f"http://127.0.0.1:{stack.port}", args, vocab)
+            )
+        finally:
+            stack.stop()
+    base, other = (results[p]["ttft_s"] for p in POLICIES)
+    ratio = {k: other[k] / base[k] for k in ("p50", "p90")}
+
+    print(
+        f"\nmodel {model.name}, {args.prefill} prefill + {args.decode} decode, "
+        f"{args.conversations} conversations x {args.turns} turns, first prompt "
+        f"{args.first_len} tok, +{args.turn_len} tok per turn, output {args.output_len} tok"
+    )
+    print(f"{'prefill policy':<22} {'cached':>7} {'TTFT p50/p90 ms (turns 2+)':>28}")
+    for policy, r in results.items():
+        ttft = r["ttft_s"]
+        print(
+            f"{policy:<22} {r['cached_fraction'] * 100:>6.0f}% "
+            f"{ttft['p50'] * 1000:>18.0f}/{ttft['p90'] * 1000:.0f}"
+        )
+    print(
+        f"least_queued_tokens / cache_aware TTFT: p50 {ratio['p50']:.2f}x, p90 {ratio['p90']:.2f}x"
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings["model"] = model.name
+    settings["cpu_count"] = os.cpu_count()
+    out.write_text(
+        json.dumps({"settings": settings, "results": results, "ttft_ratio": ratio}, indent=2) + "\n"
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

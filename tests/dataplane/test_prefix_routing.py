@@ -1,0 +1,78 @@
+"""Cache-aware prefill routing against real processes: two prefill workers, one decode worker
+and a router. Each turn of a conversation resends the whole history plus a new message; with
+`--prefill-policy cache_aware` every turn goes back to the prefill worker that holds the history
+in its prefix cache (the answer's usage says how many prompt tokens were cached), where
+round-robin sends the next turn to the other worker, which computes it all again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16  # the workers' KV block size (the engine's default)
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_model: Path, launch_module_worker: Any, worker_flags: Any) -> dict[str, Any]:
+    prefill = [
+        launch_module_worker("prefill", worker_flags(tiny_model), name=f"prefill-{i}")
+        for i in range(2)
+    ]
+    decode = launch_module_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "256"))
+    return {"prefill": prefill, "decode": decode}
+
+
+def cached_tokens_per_turn(base: str, conversations: int, turns: int, salt: int) -> list[list]:
+    """[(previous prompt length, cached tokens)] of every turn after the first, per
+    conversation; conversations take turns one request at a time."""
+    prompts = [
+        [4 + (salt * 97 + c * 31 + i) % 400 for i in range(37)] for c in range(conversations)
+    ]
+    out: list[list[tuple[int, int]]] = [[] for _ in range(conversations)]
+    for turn in range(turns):
+        for c in range(conversations):
+            r = httpx.post(
+                base + "/v1/completions",
+                json={"prompt": prompts[c], "max_tokens": 2, "temperature": 0, "ignore_eos": True},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            details = r.json()["usage"].get("prompt_tokens_details") or {}
+            if turn:
+                out[c].append((len(prompts[c]) - 21, details.get("cached_tokens", 0)))
+            prompts[c] = prompts[c] + [5 + (turn * 13 + c * 7 + i) % 300 for i in range(21)]
+    return out
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+def test_a_conversation_returns_to_the_worker_that_caches_it(
+    pools: dict[str, Any], launch_worker: Any, tiny_model: Path, policy: str
+) -> None:
+    router = launch_worker(
+        "router",
+        [
+            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
+            "--prefill", ",".join(p.endpoint for p in pools["prefill"]),
+            "--decode", pools["decode"].endpoint,
+            "--prefill-policy", policy,
+        ],
+        name=f"router-{policy}",
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{router.port}"
+    for _ in range(600):  # until the router has polled both prefill workers (bounds a hang)
+        workers = httpx.get(base + "/ready", timeout=10)
+        if workers.status_code == 200:
+            break
+    turns = cached_tokens_per_turn(base, conversations=3, turns=4, salt=len(policy))
+    # Every full block of the previous turn's prompt is in the cache of the worker it went to.
+    full = [[cached >= prev // BLOCK * BLOCK for prev, cached in conv] for conv in turns]
+    if policy == "cache_aware":
+        assert all(all(conv) for conv in full), turns
+    else:
+        # Round-robin alternates the two workers: some turn lands where its history is not.
+        assert not all(all(conv) for conv in full), turns
