@@ -401,6 +401,13 @@ def _error(r: httpx.Response) -> dict[str, Any]:
         ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ("/v1/completions", {"prompt": "hi", "frequency_penalty": "1"}, 400, "frequency_penalty"),
         ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "repetition_penalty": 1e-9},
+            400,
+            "repetition_penalty",
+        ),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "whatever": 1}, 400, "whatever"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
         ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),

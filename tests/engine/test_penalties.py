@@ -197,8 +197,9 @@ def test_penalties_continue_across_the_kv_handoff(
     [
         ({"presence_penalty": 2.5}, "presence_penalty: 2.5 must be between -2.0 and 2.0"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty: nan must be between"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty: 0.0 must be > 0"),
-        ({"repetition_penalty": 11.0}, "repetition_penalty: 11.0 must be at most 10.0"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty: 0.0 must be between 0.01 and 10.0"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty: 1e-40 must be between 0.01"),
+        ({"repetition_penalty": 11.0}, "repetition_penalty: 11.0 must be between 0.01 and 10.0"),
         ({"logit_bias": {5: 101.0}}, "logit_bias: 101.0 for token 5 must be between"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias: token id -1 is outside the vocabulary"),
         ({"logit_bias": dict.fromkeys(range(301), 1.0)}, "logit_bias: 301 tokens, at most 300"),
@@ -227,10 +228,11 @@ def test_the_workers_and_the_router_take_the_same_values() -> None:
 
     # The router repeats the engine's bounds (it must not import torch to know them).
     assert (
-        api.MAX_PENALTY, api.MAX_REPETITION_PENALTY, api.MAX_LOGIT_BIAS, api.MAX_LOGIT_BIAS_TOKENS
+        api.MAX_PENALTY, api.MIN_REPETITION_PENALTY, api.MAX_REPETITION_PENALTY,
+        api.MAX_LOGIT_BIAS, api.MAX_LOGIT_BIAS_TOKENS,
     ) == (
-        sampling.MAX_PENALTY, sampling.MAX_REPETITION_PENALTY, sampling.MAX_LOGIT_BIAS,
-        sampling.MAX_LOGIT_BIAS_TOKENS,
+        sampling.MAX_PENALTY, sampling.MIN_REPETITION_PENALTY, sampling.MAX_REPETITION_PENALTY,
+        sampling.MAX_LOGIT_BIAS, sampling.MAX_LOGIT_BIAS_TOKENS,
     )  # fmt: skip
     params = sampling_from_proto(
         pb.SamplingParams(max_tokens=3, frequency_penalty=0.5, logit_bias={7: -2.0})
@@ -243,3 +245,42 @@ def test_the_workers_and_the_router_take_the_same_values() -> None:
         sampling_from_proto(
             pb.SamplingParams(max_tokens=3, logit_bias=dict.fromkeys(range(301), 1))
         )
+
+
+def test_the_smallest_repetition_penalty_keeps_the_batch_sampling(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    """A logit divided by a tiny penalty overflows to inf and softmax gives NaN, which failed
+    every request of the batch; the bound keeps it finite, and the neighbour finishes."""
+    engine = make_engine()
+    prompt = prompt_ids(engine, 8)
+    out = {}
+    engine.add_request("other", prompt, greedy(temperature=0.8, seed=1, max_tokens=4))
+    engine.add_request("tiny", prompt, greedy(temperature=1.0, repetition_penalty=0.01))
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.finish_reason
+    assert out == {"other": "length", "tiny": "length"}
+
+
+def test_the_kept_penalty_state_equals_the_whole_history() -> None:
+    """PenaltyState adds only new tokens each step; the result equals a fresh one's."""
+    from splitserve_workers.engine.sampling import PenaltyState, adjust_logits
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50
+    params = [
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=-0.3),
+        SamplingParams(logit_bias={3: 5.0}),
+        SamplingParams(),
+    ]
+    histories = [([1, 2, 2, 3], 2), ([4, 5], 2), ([6], 1)]
+    states: list[PenaltyState | None] = [PenaltyState(), PenaltyState(), None]
+    for step in range(6):
+        logits = torch.randn(3, vocab, generator=gen) * 4
+        kept = adjust_logits(logits, params, histories, states)
+        fresh = adjust_logits(logits, params, histories)
+        assert torch.equal(kept, fresh)
+        for ids, _ in histories:
+            ids.append(int(torch.randint(vocab, (1,), generator=gen)) if step % 2 else ids[-1])

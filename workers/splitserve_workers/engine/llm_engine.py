@@ -315,6 +315,7 @@ class LLMEngine:
                 [s.params for s in sampled],
                 [s.generator for s in sampled],
                 [(s.token_ids, s.num_prompt_tokens) for s in sampled],
+                [s.penalty_state for s in sampled],
             )
         except Exception:
             # A failed pass fails its batch, not the engine: answer and free those requests.

@@ -26,6 +26,9 @@ MAX_PROMPT_LOGPROBS = 5  # alternatives per prompt token, as the legacy completi
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampler does)
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|: OpenAI's range
 MAX_REPETITION_PENALTY = 10.0  # beyond this every seen token is as good as banned
+# Below this a logit divided by it can overflow float32 to inf (softmax: NaN, and the batch
+# fails); a proto float also rounds values under ~1e-45 to 0, which the workers read as "off".
+MIN_REPETITION_PENALTY = 0.01
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, OpenAI's range (-100 bans, 100 forces)
 MAX_LOGIT_BIAS_TOKENS = 300  # entries per request
 
@@ -81,12 +84,13 @@ class SamplingParams:
                 raise ValueError(
                     f"{name}: {value} must be between -{MAX_PENALTY} and {MAX_PENALTY}"
                 )
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty: {self.repetition_penalty} must be > 0")
-        if self.repetition_penalty > MAX_REPETITION_PENALTY:
+        if not (
+            math.isfinite(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
             raise ValueError(
-                f"repetition_penalty: {self.repetition_penalty} must be at most "
-                f"{MAX_REPETITION_PENALTY}"
+                f"repetition_penalty: {self.repetition_penalty} must be between "
+                f"{MIN_REPETITION_PENALTY} and {MAX_REPETITION_PENALTY}"
             )
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(
@@ -135,14 +139,54 @@ def _sample_row(
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+class PenaltyState:
+    """One sequence's token statistics for the penalties, on the logits' device, kept on the
+    sequence across steps: a step adds only the tokens appended since the last one instead of
+    turning the whole history into tensors again, and the penalties then touch only the
+    distinct tokens seen (`seen_ids`: prompt or output, for repetition_penalty; `out_ids` and
+    `counts`: output, for frequency/presence). The history only grows (preemption keeps it)."""
+
+    __slots__ = ("seen", "seen_ids", "counts", "out_ids", "num_tokens")
+
+    def __init__(self) -> None:
+        self.seen = self.seen_ids = self.counts = self.out_ids = torch.empty(0)
+        self.num_tokens = 0
+
+    def update(
+        self, token_ids: Sequence[int], num_prompt: int, vocab: int, device: torch.device
+    ) -> PenaltyState:
+        if self.seen.numel() != vocab or self.seen.device != device:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self.seen_ids = self.out_ids = torch.zeros(0, dtype=torch.long, device=device)
+            self.num_tokens = 0
+        start = self.num_tokens
+        if len(token_ids) <= start:
+            return self
+        new = torch.tensor(list(token_ids[start:]), dtype=torch.long, device=device)
+        new = new[new < vocab]
+        fresh = torch.unique(new[~self.seen[new]])
+        self.seen[fresh] = True
+        self.seen_ids = torch.cat((self.seen_ids, fresh))
+        out = new[max(num_prompt - start, 0) :]
+        if out.numel():
+            distinct = torch.unique(out)
+            self.out_ids = torch.cat((self.out_ids, distinct[self.counts[distinct] == 0]))
+            self.counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+        self.num_tokens = len(token_ids)
+        return self
+
+
 def adjust_logits(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     histories: Sequence[tuple[Sequence[int], int]],
+    states: Sequence[PenaltyState | None] | None = None,
 ) -> torch.Tensor:
     """Logit bias and penalties (see the module docstring) for the rows that ask; the others,
     and `logits` itself, are left as they are. histories[i]: (prompt + output token ids,
-    number of prompt tokens) of row i."""
+    number of prompt tokens) of row i; states[i]: that sequence's PenaltyState kept across
+    steps (None: built from the whole history for this call)."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
@@ -154,19 +198,20 @@ def adjust_logits(
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=row.device)
             row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values())).to(row))
+        rep = p.repetition_penalty != 1.0
+        if not (rep or p.frequency_penalty or p.presence_penalty):
+            continue
+        state = (states[i] if states is not None else None) or PenaltyState()
         token_ids, num_prompt = histories[i]
-        if p.repetition_penalty != 1.0 and len(token_ids):
-            seen = torch.unique(torch.tensor(list(token_ids), device=row.device))
-            seen = seen[seen < vocab]
-            scores = row[seen]
-            row[seen] = torch.where(
+        state.update(token_ids, num_prompt, vocab, row.device)
+        if rep and state.seen_ids.numel():
+            scores = row[state.seen_ids]
+            row[state.seen_ids] = torch.where(
                 scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty
             )
-        generated = token_ids[num_prompt:]
-        if (p.frequency_penalty or p.presence_penalty) and len(generated):
-            ids = torch.tensor(list(generated), device=row.device)
-            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row)
+        if (p.frequency_penalty or p.presence_penalty) and state.out_ids.numel():
+            ids = state.out_ids
+            row[ids] -= p.frequency_penalty * state.counts[ids] + p.presence_penalty
     return out
 
 
@@ -175,15 +220,16 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     histories: Sequence[tuple[Sequence[int], int]] | None = None,
+    states: Sequence[PenaltyState | None] | None = None,
 ) -> tuple[list[int], list[float | None], list[list[tuple[int, float]] | None]]:
     """logits: [N, vocab] float32, one row per sequence. Returns token ids, the chosen tokens'
     logprobs (rows that asked) and the top_logprobs alternatives (rows that asked).
-    histories (needed when a row has penalties): see adjust_logits."""
+    histories (needed when a row has penalties) and states: see adjust_logits."""
     scores = logits
     if any(p.adjusts_logits for p in params):
         if histories is None:
             raise ValueError("sample: penalties need each row's token history")
-        scores = adjust_logits(logits, params, histories)
+        scores = adjust_logits(logits, params, histories, states)
     tokens = torch.argmax(scores, dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:

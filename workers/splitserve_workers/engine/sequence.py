@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve_workers.engine.sampling import SamplingParams
+from splitserve_workers.engine.sampling import PenaltyState, SamplingParams
 
 # on_kv(request_id, layer, token_start, k, v), k/v: [n_tokens, kv_heads, head_dim]
 OnKV = Callable[[str, int, int, torch.Tensor, torch.Tensor], None]
@@ -89,6 +89,8 @@ class Sequence:
             None if params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1)
         )
         self.prompt_logprobs_sent = False
+        # Token statistics for repetition/frequency/presence penalties, built on first use.
+        self.penalty_state = PenaltyState()
 
     @property
     def wants_prompt_logprobs(self) -> bool:

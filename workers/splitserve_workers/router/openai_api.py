@@ -20,6 +20,7 @@ MAX_STOP_TOKEN_IDS = 64  # checked on every token (the workers refuse more)
 # test checks they agree): OpenAI's penalty and logit-bias ranges, and our own caps.
 MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 10.0
+MIN_REPETITION_PENALTY = 0.01
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -196,7 +197,9 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, bias in value.items():
         token = key.strip()
-        if not (token.isascii() and token.isdigit()) or int(token) > INT32_MAX:
+        # Length first: int() of a string over 4300 digits raises ValueError (a 500).
+        digits = token.isascii() and token.isdigit()
+        if not digits or len(token.lstrip("0")) > 10 or int(token) > INT32_MAX:
             raise invalid(
                 "logit_bias", f"'logit_bias' keys must be token ids, got {json.dumps(key)[:40]}"
             )
@@ -360,7 +363,7 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     req.presence_penalty = _float(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
     req.frequency_penalty = _float(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
-    repetition = _float(body, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+    repetition = _float(body, "repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
     req.repetition_penalty = 1.0 if repetition is None else repetition
     req.logit_bias = _logit_bias(body)
     req.stop = _stop(body)
