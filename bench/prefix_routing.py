@@ -10,6 +10,7 @@ table and writes bench/results/prefix_routing.json.
 
 Run: python bench/prefix_routing.py [--model DIR | --preset small] [--prefill 2] [--decode 1]
      [--conversations 8] [--turns 4] [--first-len 384] [--turn-len 96] [--output-len 8]
+     [--rounds 2]
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ async def turn(
     return sample.ttft, sample.cached_tokens
 
 
-async def conversations(base: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    rng = random.Random(args.seed)
+async def conversations(
+    base: str, args: argparse.Namespace, vocab: int, seed: int
+) -> list[tuple[float, int, int]]:
+    """(TTFT, cached tokens, prompt tokens) of every turn after the first."""
+    rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(4, vocab) for _ in range(n)]
@@ -68,9 +72,11 @@ async def conversations(base: str, args: argparse.Namespace, vocab: int) -> dict
                     later.append((ttft, cached, len(prompt)))
                 prompt = prompt + news[c][t]
 
-        started = time.perf_counter()
         await asyncio.gather(*(talk(c) for c in range(args.conversations)))
-        duration = time.perf_counter() - started
+    return later
+
+
+def summary(later: list[tuple[float, int, int]], duration: float) -> dict[str, Any]:
     return {
         "duration_s": duration,
         "later_turns": len(later),
@@ -92,24 +98,32 @@ def main() -> int:
     p.add_argument("--turn-len", type=int, default=96, help="tokens each turn adds")
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="stacks per policy, alternating")
     p.add_argument("--out", default=str(RESULTS / "prefix_routing.json"))
     args = p.parse_args()
 
     model = ensure_model(args.model, args.preset)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     shape = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
-    results: dict[str, Any] = {}
-    for policy in POLICIES:
-        log_dir = Path(tempfile.mkdtemp(prefix=f"splitserve-bench-{policy}-"))
-        config = log_dir / "config.yaml"
-        config.write_text(json.dumps({"router": {"prefill_policy": policy}}))  # JSON is YAML
-        stack = Stack(model, args.device, [*shape, "--config", str(config)], log_dir)
-        try:
-            results[policy] = asyncio.run(
-                conversations(f"http://127.0.0.1:{stack.port}", args, vocab)
-            )
-        finally:
-            stack.stop()
+    samples: dict[str, list[tuple[float, int, int]]] = {p: [] for p in POLICIES}
+    durations = dict.fromkeys(POLICIES, 0.0)
+    for round_ in range(args.rounds):
+        # Alternate the order (A B, B A, ...): a shared machine drifts during a run. Each
+        # round has its own conversations, the same for both policies.
+        for policy in POLICIES if round_ % 2 == 0 else POLICIES[::-1]:
+            log_dir = Path(tempfile.mkdtemp(prefix=f"splitserve-bench-{policy}-"))
+            config = log_dir / "config.yaml"
+            config.write_text(json.dumps({"router": {"prefill_policy": policy}}))  # YAML too
+            stack = Stack(model, args.device, [*shape, "--config", str(config)], log_dir)
+            try:
+                started = time.perf_counter()
+                samples[policy] += asyncio.run(
+                    conversations(f"http://127.0.0.1:{stack.port}", args, vocab, args.seed + round_)
+                )
+                durations[policy] += time.perf_counter() - started
+            finally:
+                stack.stop()
+    results = {p: summary(samples[p], durations[p]) for p in POLICIES}
     base, other = (results[p]["ttft_s"] for p in POLICIES)
     ratio = {k: other[k] / base[k] for k in ("p50", "p90")}
 

@@ -250,11 +250,15 @@ def test_cache_aware_counts_the_tokens_left_to_compute() -> None:
     b = WorkerLoad("b:1", healthy=True, queued_tokens=100)
     # Without cache hits it is least_queued_tokens.
     assert choose([a, b], "cache_aware", prompt_tokens=1000) is b
-    # a holds 512 of the prompt's tokens: 300 + 488 to compute there, 100 + 1000 on b.
+    # a holds 512 of the prompt's tokens: the pool computes 300 + 488 before this prompt's
+    # first token there; on b 100 + 1000, and b recomputes 512 tokens a already holds.
     assert choose([a, b], "cache_aware", prompt_tokens=1000, cached_tokens={"a:1": 512}) is a
-    # Once a's queue outweighs what its cache saves, b again.
-    a.pending_tokens = 700
+    a.pending_tokens = 1100  # a: 1400 + 488 = 1888 against b: 100 + 1000 + 512 = 1612
     assert choose([a, b], "cache_aware", prompt_tokens=1000, cached_tokens={"a:1": 512}) is b
+    # a: 1100 + 488 = 1588. This request alone would start sooner on b (after 1100 tokens,
+    # not 1588), but moving it costs the pool 512 recomputed tokens: it stays with its cache.
+    a.pending_tokens = 800
+    assert choose([a, b], "cache_aware", prompt_tokens=1000, cached_tokens={"a:1": 512}) is a
 
 
 def test_a_computed_prompt_stops_counting_as_queued() -> None:

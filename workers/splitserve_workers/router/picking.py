@@ -1,10 +1,10 @@
 """Which worker gets the next request. A pure core (`choose`) ranks workers from their last Load
 report plus what this router has sent them since; a thin shell (`WorkerPool`) keeps one gRPC
-channel per endpoint from discovery.py and polls Load. Prefill goes to the worker with the
-fewest tokens to compute before this prompt's first token: its queued tokens plus this prompt
-less the prefix it likely still caches (`cache_aware`, from the prompts this router sent it:
-`PrefixIndex`), so a conversation's next turn or a shared system prompt lands where its KV
-already is; decode goes to the most free KV blocks (admission is block-bound)."""
+channel per endpoint from discovery.py and polls Load. Prefill goes to the worker that leaves
+the pool the least prompt work, counting the prefix each worker likely still caches
+(`cache_aware`, from the prompts this router sent it: `PrefixIndex`), so a conversation's next
+turn or a shared system prompt lands where its KV already is; decode goes to the most free KV
+blocks (admission is block-bound)."""
 
 from __future__ import annotations
 
@@ -157,12 +157,21 @@ def choose(
     candidates.sort(key=lambda w: w.endpoint)
     if policy == "cache_aware":
         cached = cached_tokens or {}
-        # Tokens to compute before this prompt's first token on that worker (queueing plus
-        # the uncached part of this prompt); without cache hits, least_queued_tokens.
+        best = max((cached.get(w.endpoint, 0) for w in candidates), default=0)
+        # The pool's work this choice leaves: the queue this prompt waits behind, its uncached
+        # part, and what a worker without the cached prefix recomputes for everyone queued
+        # after it (best - cached). Counting only this request's wait (no third term) sent a
+        # conversation away whenever its worker was briefly busier: the pool recomputed the
+        # history and every later request waited for that. Without cache hits it is
+        # least_queued_tokens.
         return min(
             candidates,
             key=lambda w: (
-                w.effective_queued_tokens() + prompt_tokens - cached.get(w.endpoint, 0),
+                w.effective_queued_tokens()
+                + prompt_tokens
+                - cached.get(w.endpoint, 0)
+                + best
+                - cached.get(w.endpoint, 0),
                 w.pending_requests,
             ),
         )
