@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from splitserve_workers.kv_transfer import BATCH_MAX_WAIT_S, ChannelPool, KVSender
+from splitserve_workers.kv_transfer import ChannelPool, KVSender
 from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.proto import serving_pb2_grpc as pbg
 
@@ -46,11 +46,12 @@ def transfer(
     pool: ChannelPool,
     endpoint: str,
     request_id: str,
-    pause_s: float = 0.0,
+    slow_layers: bool = False,
     **sender_args: float,
 ) -> tuple[int, int, int]:
-    """Reserve, stream every layer of a random KV through a KVSender (pausing between layers
-    like a slow engine), generate two tokens; returns (messages, bytes, tokens generated)."""
+    """Reserve, stream every layer of a random KV through a KVSender (with slow_layers, like
+    an engine slower than the batch deadline: each next layer only once the sender has taken
+    the one before), generate two tokens; returns (messages, bytes, tokens generated)."""
     spec = stub.Load(pb.LoadRequest()).model
     assert stub.Reserve(
         pb.ReserveRequest(request_id=request_id, model=spec, num_prompt_tokens=PROMPT)
@@ -66,8 +67,14 @@ def transfer(
     sender.start()
     for layer, (k, v) in enumerate(kv):
         sender.on_kv(request_id, layer, 0, k, v)
-        if pause_s and layer < spec.num_layers - 1:
-            time.sleep(pause_s)
+        if slow_layers and layer < spec.num_layers - 1:
+            # This layer's batch is open (not the last layer, far under the size limit): only
+            # its deadline lets the sender take it. Waiting for that, rather than sleeping a
+            # multiple of the deadline, holds however late a busy machine runs the sender.
+            until = time.monotonic() + 120  # bounds a hang only
+            while sender.chunks <= layer and time.monotonic() < until:
+                time.sleep(0.005)
+            assert sender.chunks == layer + 1, "an open batch did not leave by its deadline"
     result = sender.future.result(timeout=120)  # bounds a hang only
     events = stub.Generate(
         pb.GenerateRequest(
@@ -108,9 +115,9 @@ def test_large_slices_are_split(decode, stub, pool) -> None:
 def test_batch_leaves_by_its_deadline_when_layers_come_slowly(decode, stub, pool) -> None:
     per_layer, layers = kv_bytes(stub)
     assert layers > 1
-    # Each pause is 100 times the batch deadline, so the sender takes every open batch long
-    # before the next layer arrives: the transfer leaves as several messages, not one.
-    pause = 100 * BATCH_MAX_WAIT_S
-    chunks, nbytes, tokens = transfer(stub, pool, decode.endpoint, "slow", pause_s=pause)
-    assert chunks > 1 and nbytes == per_layer * layers
+    # The next layer comes only after the default deadline let the sender take the open batch
+    # (a fixed pause, 100 times the deadline, raced a sender thread a busy machine ran late:
+    # all layers then left as one message): every layer leaves as its own message.
+    chunks, nbytes, tokens = transfer(stub, pool, decode.endpoint, "slow", slow_layers=True)
+    assert (chunks, nbytes) == (layers, per_layer * layers)
     assert tokens == 2
