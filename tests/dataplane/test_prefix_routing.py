@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from test_openai_client import wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -64,10 +65,7 @@ def test_a_conversation_returns_to_the_worker_that_caches_it(
         name=f"router-{policy}",
     )  # fmt: skip
     base = f"http://127.0.0.1:{router.port}"
-    for _ in range(600):  # until the router has polled both prefill workers (bounds a hang)
-        workers = httpx.get(base + "/ready", timeout=10)
-        if workers.status_code == 200:
-            break
+    wait_ready(base)  # its first refresh polls every worker of both pools at once
     turns = cached_tokens_per_turn(base, conversations=3, turns=4, salt=len(policy))
     # Every full block of the previous turn's prompt is in the cache of the worker it went to.
     full = [[cached >= prev // BLOCK * BLOCK for prev, cached in conv] for conv in turns]
