@@ -27,6 +27,10 @@ from .spec import Spec
 # (a nested mount, not counted here).
 TMP_SIZE_LIMIT = "8Gi"
 
+# The router's API keys (spec.router.apiKeySecret) are projected into the config volume under
+# this name: no mount of their own, so no path a model volume could collide with.
+API_KEYS_FILE = "api-keys"
+
 RUN_AS_USER = 10001  # the worker image's USER (Dockerfile.worker); a test keeps them equal
 MODEL_VOLUME = "model"
 
@@ -66,6 +70,8 @@ def container_args(component: str, spec: Spec) -> list[str]:
         port = spec.router.settings["port"]
         args = ["router", "--config", CONFIG_PATH_IN_POD, "--port", str(port)]
         args += ["--drain-timeout", drain_timeout(spec)]
+        if "apiKeySecret" in spec.router.settings:
+            args += ["--api-key-file", f"{CONFIG_DIR}/{API_KEYS_FILE}"]
         if may_sleep(spec):
             # The router must stay in its Service while a pool is at zero (the requests that
             # wake it have to reach it), and a request waits out the pool's cold start:
@@ -148,13 +154,32 @@ def topology_spread(component: str, service: str, spec: Spec) -> list[dict[str, 
     ]
 
 
+def config_volume(component: str, service: str, spec: Spec) -> dict[str, Any]:
+    """The ConfigMap with the serving config; for a router with API keys, projected together
+    with the Secret's key file (kubelet updates both in place, which is how keys rotate)."""
+    config_map = {"name": child_name(service, "config")}
+    secret = spec.router.settings.get("apiKeySecret") if component == "router" else None
+    if secret is None:
+        return {"name": "config", "configMap": config_map}
+    items = [{"key": secret["key"], "path": API_KEYS_FILE}]
+    return {
+        "name": "config",
+        "projected": {
+            "sources": [
+                {"configMap": config_map},
+                {"secret": {"name": secret["name"], "items": items}},
+            ]
+        },
+    }
+
+
 def pod_template(
     component: str, service: str, spec: Spec, image: str, config_hash: str
 ) -> dict[str, Any]:
     pool = spec.pool(component)
     volumes, mounts = model_volume(spec)
     volumes = [
-        {"name": "config", "configMap": {"name": child_name(service, "config")}},
+        config_volume(component, service, spec),
         {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
         *volumes,
     ]

@@ -23,9 +23,10 @@ CONFIG_MOUNT = "/etc/splitserve"
 POD_MOUNTS = (CONFIG_MOUNT, "/tmp")
 _DOT_SEGMENT = re.compile(r"(^|/)\.\.?(/|$)")
 _CANONICAL_PATH = re.compile(r"^(/[^/]+)+/?$")
-# The router's requests when spec.router.resources is not set: it holds the tokenizer (and the
-# torch import behind it, ~560 MiB resident) and runs the HTTP edge on one event loop.
-ROUTER_DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "768Mi"}}
+# The router's requests when spec.router.resources is not set: it holds the tokenizer (about
+# 70 MiB resident with a tiny one; it never imports torch) and runs the HTTP edge on one event
+# loop.
+ROUTER_DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 
 # spec.autoscaling.interval's bounds (the CRD's rule too): a shorter one runs Builtin's ~20
 # Prometheus queries in a hot loop; a longer one makes the signals' window, four intervals,
@@ -214,6 +215,14 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
     if name == "router":
         settings["port"] = _int(data, "port", 8000, path, minimum=1)
         settings["serviceType"] = data.get("serviceType", "ClusterIP")
+        secret = data.get("apiKeySecret")
+        if secret is not None:
+            if not isinstance(secret, dict) or not secret.get("name"):
+                raise SpecError(f"{path}.apiKeySecret.name: is required")
+            settings["apiKeySecret"] = {
+                "name": str(secret["name"]),
+                "key": str(secret.get("key") or "api-key"),
+            }
     elif name == "prefill":
         settings["maxBatchTokens"] = _int(data, "maxBatchTokens", 8192, path, minimum=1)
     else:

@@ -76,7 +76,9 @@ def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> No
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env_with(),
+        # With an API key in the environment the router requires it, and local mode's own
+        # calls (the model name, the live line's scrape) still work.
+        env=env_with(SPLITSERVE_API_KEY="sk-local"),
     )
     lines: list[str] = []
     ready = threading.Event()
@@ -96,13 +98,11 @@ def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> No
         children = psutil.Process(proc.pid).children(recursive=True)
         roles = sorted(c.cmdline()[3] for c in children if "splitserve_workers.cli" in c.cmdline())
         assert roles == ["decode", "decode", "prefill", "router"]
-        # It serves, and the live line reports what it measured.
-        r = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions",
-            json={"prompt": "hello", "max_tokens": 8},
-            timeout=120,
-        )
-        assert r.status_code == 200
+        # It serves (with the key only), and the live line reports what it measured.
+        url, body = f"http://127.0.0.1:{port}/v1/completions", {"prompt": "hello", "max_tokens": 8}
+        assert httpx.post(url, json=body, timeout=120).status_code == 401
+        key = {"Authorization": "Bearer sk-local"}
+        assert httpx.post(url, json=body, headers=key, timeout=120).status_code == 200
         deadline = time.monotonic() + 60
         while not any("TTFT mean" in line for line in lines) and time.monotonic() < deadline:
             time.sleep(0.2)

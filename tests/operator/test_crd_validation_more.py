@@ -2,10 +2,11 @@
 refused for later (tolerations, affinity requirements, negative quantities, mount paths that
 collide with the pod template's own mounts) is refused at apply time naming the field; the
 monitoring interval is one Prometheus accepts; malformed quantities are reported by the pattern,
-not as a CEL evaluation error. Each rule has a valid neighbour that is accepted, and the
-tolerations and affinity cases are checked against a Pod too, so the rules refuse what
-Kubernetes refuses and no more. Also the chart refusing serviceAccount.create=false without a
-name."""
+not as a CEL evaluation error; the router's API key Secret is a valid reference, and the
+router Deployment made of it is one the API server takes. Each rule has a valid neighbour that
+is accepted, and the tolerations and affinity cases are checked against a Pod too, so the rules
+refuse what Kubernetes refuses and no more. Also the chart refusing serviceAccount.create=false
+without a name."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 from operator_process import CHART, REPO_ROOT
+from splitserve_operator.children import desired_children
+from splitserve_operator.config import OperatorConfig
 from splitserve_operator.podtemplate import MODEL_VOLUME, pod_template
 from splitserve_operator.spec import POD_MOUNTS, SpecError, parse_spec
 
@@ -564,6 +567,42 @@ def test_autoscaling_interval_is_between_a_second_and_an_hour(
         assert "spec.autoscaling.interval must be between 1s and 1h" in proc.stderr, proc.stderr
         with pytest.raises(SpecError, match="^spec.autoscaling.interval: "):
             parse_spec(llmservice(patch)["spec"])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("secret", "refused"),
+    [
+        ({"name": "router-keys"}, None),
+        ({"name": "router-keys", "key": "keys.txt"}, None),
+        ({}, "spec.router.apiKeySecret.name: Required value"),
+        ({"name": "Router_Keys"}, "spec.router.apiKeySecret.name: Invalid value"),
+        ({"name": "keys", "key": "a/b"}, "spec.router.apiKeySecret.key: Invalid value"),
+    ],
+    ids=["name", "name-and-key", "no-name", "bad-name", "bad-key"],
+)
+def test_api_key_secret_is_a_secret_reference(
+    control_plane: Any, cluster_release: Any, namespace: str, secret: dict, refused: str | None
+) -> None:
+    obj = llmservice({"router": {"apiKeySecret": secret}})
+    proc = dry_run(control_plane, namespace, obj)
+    if refused is None:
+        assert proc.returncode == 0, proc.stderr
+        # The router Deployment the operator makes of it passes the API server's validation
+        # (the projected config volume with the Secret's key file in it).
+        children = desired_children(
+            "probe", namespace, "uid-1", parse_spec(obj["spec"]), OperatorConfig(), False
+        )
+        (router,) = [
+            c
+            for c in children
+            if (c["kind"], c["metadata"]["name"]) == ("Deployment", "probe-router")
+        ]
+        proc = dry_run(control_plane, namespace, router)
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode != 0, f"{secret!r} accepted"
+        assert refused in proc.stderr, proc.stderr
 
 
 @pytest.fixture(scope="module")

@@ -258,6 +258,30 @@ def test_worker_container_contract(component: str, args: list[str]) -> None:
     assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_router_api_keys_come_from_the_secret_in_the_config_volume() -> None:
+    # Projected into the config volume (no mount of its own for a model volume to collide
+    # with); kubelet updates it in place when the Secret changes, and the router re-reads it.
+    spec = copy.deepcopy(SPEC)
+    spec["router"] = {"apiKeySecret": {"name": "router-keys"}}
+    pod = build(spec)[("Deployment", "chat-router")]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["projected"]["sources"] == [
+        {"configMap": {"name": "chat-config"}},
+        {"secret": {"name": "router-keys", "items": [{"key": "api-key", "path": "api-keys"}]}},
+    ]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--api-key-file") + 1] == "/etc/splitserve/api-keys"
+    # Only the router gets the keys; without the field nothing changes.
+    for component in ("prefill", "decode"):
+        worker = build(spec)[("Deployment", f"chat-{component}")]["spec"]["template"]["spec"]
+        assert {v["name"]: v for v in worker["volumes"]}["config"] == {
+            "name": "config",
+            "configMap": {"name": "chat-config"},
+        }
+    plain = build()[("Deployment", "chat-router")]["spec"]["template"]["spec"]
+    assert "--api-key-file" not in plain["containers"][0]["args"]
+
+
 def test_pods_are_hardened() -> None:
     for component in ("router", "prefill", "decode"):
         pod = build()[("Deployment", f"chat-{component}")]["spec"]["template"]["spec"]

@@ -219,7 +219,7 @@ def test_router_gets_default_requests_unless_resources_are_set() -> None:
     }
     # Unset: requests, so router pods are not BestEffort (the workers' are the user's call).
     spec = parse_spec(base)
-    assert spec.pool("router").resources == {"requests": {"cpu": "250m", "memory": "768Mi"}}
+    assert spec.pool("router").resources == {"requests": {"cpu": "250m", "memory": "256Mi"}}
     assert spec.pool("decode").resources == {}
     # Set: taken as written, including an explicit {}.
     own = {"limits": {"cpu": "2"}}

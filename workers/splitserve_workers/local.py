@@ -234,12 +234,21 @@ class LiveLine:
 STARTUP_GET_TIMEOUT_S = 60.0
 
 
+def _api_headers() -> dict[str, str]:
+    """The router inherits SPLITSERVE_API_KEY from this process: local mode's own API calls
+    (the model name, the demo) send its first key."""
+    from splitserve_workers.router.auth import ENV_VAR
+
+    keys = [k.strip() for k in os.environ.get(ENV_VAR, "").split(",") if k.strip()]
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
 async def _get(url: str, timeout: float = 5.0) -> str:
     import aiohttp
 
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
-        s.get(url) as r,
+        s.get(url, headers=_api_headers()) as r,
     ):
         return await r.text()
 
@@ -282,7 +291,10 @@ async def stream_chat(
     last = start
     text: list[str] = []
     usage: dict[str, Any] = {}
-    async with aiohttp.ClientSession() as s, s.post(base + "/v1/chat/completions", json=body) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(base + "/v1/chat/completions", json=body, headers=_api_headers()) as r,
+    ):
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         async for raw in r.content:

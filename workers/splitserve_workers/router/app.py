@@ -33,6 +33,7 @@ from splitserve_workers.engine.tokenizer import NoChatTemplate
 from splitserve_workers.metrics import RouterMetrics, router_metrics
 from splitserve_workers.proto import serving_pb2
 from splitserve_workers.router import openai_api as api
+from splitserve_workers.router.auth import ENV_VAR, ApiKeys
 from splitserve_workers.router.detok import IncrementalDetokenizer
 from splitserve_workers.router.discovery import (
     Discovery,
@@ -84,6 +85,7 @@ class RouterOptions:
     # /debug/workers lists every worker's address and load; off unless asked for, since the
     # router's port is the one clients reach.
     debug_endpoints: bool = False
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # none configured: the port is open
 
 
 def model_config(model_dir: str) -> dict[str, Any]:
@@ -107,6 +109,12 @@ def load_tokenizer(model_dir: str) -> Any:
 
 
 _BODY_HEADERS = ("content-type", "content-length")
+
+
+def _needs_key(path: str) -> bool:
+    """The API (and the debug view) need a key when keys are configured; the probes and
+    /metrics (the kubelet and Prometheus call them, inside the cluster) do not."""
+    return path.startswith("/v1/") or path.startswith("/debug/")
 
 
 class Router:
@@ -189,6 +197,15 @@ class Router:
         return response
 
     async def _answer(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if _needs_key(request.path) and not self.options.api_keys.allows(
+            request.headers.get("Authorization")
+        ):
+            err = api.APIError(
+                401,
+                "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+            return web.json_response(err.body(), status=401, headers={"WWW-Authenticate": "Bearer"})
         try:
             return await handler(request)
         except api.APIError as e:
@@ -786,6 +803,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-policy", choices=PREFILL_POLICIES)
     parser.add_argument("--decode-policy", choices=DECODE_POLICIES)
     parser.add_argument("--colocated-policy", default="cache_aware", choices=COLOCATED_POLICIES)
+    parser.add_argument(
+        "--api-key-file",
+        help="require 'Authorization: Bearer <key>' on /v1/*: keys one per line (re-read when "
+        f"the file changes); also or instead {ENV_VAR} (comma-separated)",
+    )
     parser.add_argument("--max-request-bytes", type=int)
     parser.add_argument(
         "--poll-interval", type=float, default=0.5, help="seconds between Load polls of each worker"
@@ -913,6 +935,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         drain_timeout=args.drain_timeout,
         ready_without_workers=args.ready_without_workers,
         debug_endpoints=args.debug_endpoints,
+        api_keys=ApiKeys.from_environment(args.api_key_file),
     )
     port = args.port if args.port is not None else rs.port
     return options, port
