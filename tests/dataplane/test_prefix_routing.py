@@ -66,7 +66,10 @@ def test_a_conversation_returns_to_the_worker_that_caches_it(
     )  # fmt: skip
     base = f"http://127.0.0.1:{router.port}"
     wait_ready(base)  # its first refresh polls every worker of both pools at once
-    turns = cached_tokens_per_turn(base, conversations=3, turns=4, salt=len(policy))
+    # Prompts of their own per policy (the workers, and so their caches, are shared by both
+    # runs): len(policy) was the same salt for both, 11 letters each.
+    salt = ["cache_aware", "round_robin"].index(policy) + 1
+    turns = cached_tokens_per_turn(base, conversations=3, turns=4, salt=salt)
     # Every full block of the previous turn's prompt is in the cache of the worker it went to.
     full = [[cached >= prev // BLOCK * BLOCK for prev, cached in conv] for conv in turns]
     if policy == "cache_aware":

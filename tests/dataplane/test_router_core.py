@@ -644,3 +644,45 @@ def test_stop_lists_are_bounded() -> None:
         {"prompt": "x", "stop_token_ids": list(range(64)), "stop": "y" * 1000}
     )
     assert len(ok.stop_token_ids) == 64
+
+
+def test_cache_aware_spreads_new_conversations_like_least_loaded() -> None:
+    # Colocated: a runs 60 sequences, b none, nothing queued on either (a poll reset the
+    # deltas). A new conversation goes to b, as least_loaded sent it.
+    a = WorkerLoad("a:1", healthy=True, running=60, free_blocks=3, total_blocks=4096)
+    b = WorkerLoad("b:1", healthy=True, free_blocks=4096, total_blocks=4096)
+    assert choose([a, b], "cache_aware", prompt_tokens=500) is b
+
+
+def test_a_cache_hit_comes_off_a_report_uncached_only() -> None:
+    load = WorkerLoad("a:1", healthy=True)
+    sent = load.reports
+    load.pending_tokens = 8200
+    # A report counts the admitted prompt's 8 uncached tokens and 4000 of a request behind it.
+    load.reports, load.queued_tokens, load.pending_tokens = load.reports + 1, 4008, 0
+    _prefilled(load, sent, 8200, 1, cached=8192)
+    assert load.effective_queued_tokens() == 4000
+
+
+def test_prefix_index_forgets_a_worker_that_failed_or_left() -> None:
+    index = PrefixIndex()
+    prompt = list(range(100, 164))
+    index.record(index.hashes(prompt, 16), "a:1")
+    index.record(index.hashes(prompt[:32], 16), "b:1")
+    assert index.matched_blocks(index.hashes(prompt, 16)) == {"a:1": 4, "b:1": 2}
+    index.forget("a:1")
+    assert index.matched_blocks(index.hashes(prompt, 16)) == {"b:1": 2}
+    index.record(index.hashes(prompt, 16), "a:1")  # sent again after it came back
+    assert index.matched_blocks(index.hashes(prompt, 16)) == {"a:1": 4, "b:1": 2}
+
+
+def test_a_pick_records_the_prompt_only_when_asked() -> None:
+    pool = fake_pool("colocated", {"a:1": (64, 64), "b:1": (64, 64)})
+    pool.policy = "cache_aware"
+    prompt = list(range(10, 90))
+    picked = pool.pick(prompt=prompt, record=False)
+    assert picked is not None and len(pool.prefixes) == 0
+    pool.sent(picked, prompt)
+    assert pool.prefixes.matched_blocks(pool.prefixes.hashes(prompt, 16)) == {
+        picked.load.endpoint: 5
+    }

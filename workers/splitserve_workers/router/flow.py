@@ -132,17 +132,21 @@ class FlowRequest:
 _background: set[asyncio.Task[Any]] = set()
 
 
-def _prefilled(load: WorkerLoad, sent_at_report: int, tokens: int, requests: int = 0) -> None:
+def _prefilled(
+    load: WorkerLoad, sent_at_report: int, tokens: int, requests: int = 0, cached: int = 0
+) -> None:
     """A prompt this router sent to the worker has been computed: it is no longer queued there,
     whether it was still a router-side delta or a report taken since counted it. (Left counted
     until the next poll, a worker that just served a burst looked busy for up to a poll
     interval after, and cache_aware routing sent a conversation's next turn away from the
-    worker that caches it.)"""
+    worker that caches it.) A report counts an admitted prompt without its cached prefix
+    (num_tokens - num_computed_tokens): only the uncached part comes off it, or the tokens of
+    requests queued behind this one would vanish too."""
     if load.reports == sent_at_report:
         load.pending_tokens = max(0, load.pending_tokens - tokens)
         load.pending_requests = max(0, load.pending_requests - requests)
     else:
-        load.queued_tokens = max(0, load.queued_tokens - tokens)
+        load.queued_tokens = max(0, load.queued_tokens - max(0, tokens - cached))
 
 
 def _spawn(coro: Any) -> None:
@@ -406,10 +410,12 @@ class Flow:
                 # Each attempt gets its own id: leftovers of a failed one never collide.
                 worker_rid = req.request_id if attempt == 0 else f"{req.request_id}.r{attempt}"
                 prompt = req.prompt_token_ids
-                prefill = self.prefill.pick(failed_prefill, prompt)
+                # Recorded in the prefix index only when sent (below): the reservation may
+                # fail, or another worker take this one's place.
+                prefill = self.prefill.pick(failed_prefill, prompt, record=False)
                 if prefill is None and failed_prefill:
                     # Every worker failed once: try again anyway.
-                    prefill = self.prefill.pick(prompt=prompt)
+                    prefill = self.prefill.pick(prompt=prompt, record=False)
                 if prefill is None:
                     # None now (a pool at zero waking up, or every worker restarting): wait.
                     wait_until = await self._wait_for_workers(
@@ -422,7 +428,7 @@ class Flow:
                     # worker picked before it may have died or started draining meanwhile.
                     # Another with the same ModelSpec (the one the reservation was checked
                     # against) takes its place instead of wasting an attempt.
-                    other = self.prefill.pick(failed_prefill, prompt)
+                    other = self.prefill.pick(failed_prefill, prompt, record=False)
                     if other is not None and other.model == prefill.model:
                         prefill = other
                 self.stats.prefill_attempts += 1
@@ -430,6 +436,7 @@ class Flow:
                 prefill.load.pending_tokens += len(req.prompt_token_ids)
                 prefill.load.pending_requests += 1
                 sent_at_report = prefill.load.reports
+                self.prefill.sent(prefill, prompt)
                 prefill_done = False
                 prefill_call = prefill.stub.Prefill(
                     serving_pb2.PrefillRequest(
@@ -446,7 +453,13 @@ class Flow:
                         kind = event.WhichOneof("event")
                         if kind == "first_token" and first is None:
                             first = event.first_token
-                            _prefilled(prefill.load, sent_at_report, len(req.prompt_token_ids), 1)
+                            _prefilled(
+                                prefill.load,
+                                sent_at_report,
+                                len(req.prompt_token_ids),
+                                1,
+                                first.num_cached_tokens,
+                            )
                             self.stats.prefill_queue_seconds = first.queue_seconds
                             self.stats.prefill_compute_seconds = first.compute_seconds
                             self.stats.num_cached_tokens = first.num_cached_tokens
@@ -543,7 +556,9 @@ class Flow:
             while True:
                 if len(failed) >= self.settings.max_prefill_attempts:
                     raise FlowError(502, f"failed on {len(failed)} worker(s): {last_error}")
-                worker = self.colocated.pick(failed | too_small.keys(), req.prompt_token_ids)
+                worker = self.colocated.pick(
+                    failed | too_small.keys(), req.prompt_token_ids, record=False
+                )
                 if worker is None:
                     if failed:
                         raise FlowError(502, f"every colocated worker failed: {last_error}")
@@ -563,6 +578,7 @@ class Flow:
                 worker.load.pending_tokens += len(req.prompt_token_ids)
                 worker.load.pending_requests += 1
                 sent_at_report = worker.load.reports
+                self.colocated.sent(worker, req.prompt_token_ids)
                 self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint
                 start = time.monotonic()
                 done = False
@@ -579,7 +595,12 @@ class Flow:
                     async for event in call:
                         if not got_token and event.token_ids:
                             got_token = True
-                            _prefilled(worker.load, sent_at_report, len(req.prompt_token_ids))
+                            _prefilled(
+                                worker.load,
+                                sent_at_report,
+                                len(req.prompt_token_ids),
+                                cached=event.num_cached_tokens,
+                            )
                             self.stats.num_cached_tokens = event.num_cached_tokens
                             self.stats.prefill_compute_seconds = time.monotonic() - start
                         chunk = self._chunk(event)

@@ -29,8 +29,8 @@ PREFILL_POLICIES = ("cache_aware", "least_queued_tokens", "round_robin", "random
 DECODE_POLICIES = ("most_free_blocks", "round_robin", "random")
 COLOCATED_POLICIES = ("least_loaded", "cache_aware", "most_free_blocks", "round_robin", "random")
 
-# PrefixIndex: block hashes remembered (LRU), 16 bytes of key plus a small dict each: about
-# 20 MB at the bound, which covers 4 M prompt tokens at 16-token blocks.
+# PrefixIndex: block hashes remembered (LRU), an OrderedDict slot plus a small dict each: about
+# 300 bytes, 77 MiB at the bound (measured), which covers 4 M prompt tokens at 16-token blocks.
 PREFIX_INDEX_ENTRIES = 1 << 18
 # Only a prompt's first blocks are hashed (on the event loop): 64 K tokens at 16-token blocks.
 PREFIX_INDEX_MAX_BLOCKS = 4096
@@ -97,7 +97,9 @@ class PrefixIndex:
     ) -> None:
         self.max_entries = max_entries
         self.max_blocks = max_blocks
-        self._holders: OrderedDict[int, dict[str, None]] = OrderedDict()
+        # hash -> {endpoint: the endpoint's generation when it was sent the prefix}
+        self._holders: OrderedDict[int, dict[str, int]] = OrderedDict()
+        self._generation: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -112,19 +114,32 @@ class PrefixIndex:
             out.append(h)
         return out
 
+    def forget(self, endpoint: str) -> None:
+        """The endpoint's cache is gone or unknown (it failed, restarted or left discovery):
+        what it was sent before no longer matches (lazily: its entries age out of the LRU)."""
+        self._generation[endpoint] = self._generation.get(endpoint, 0) + 1
+
     def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
         """endpoint -> how many leading blocks of this prompt it was sent before."""
         matched: dict[str, int] = {}
-        alive: set[str] | None = None
+        alive: set[str] = set()
+        gen = self._generation
         for i, h in enumerate(hashes):
             holders = self._holders.get(h)
             if not holders:
                 break
-            alive = set(holders) if alive is None else alive.intersection(holders)
+            left = set(holders) if i == 0 else alive.intersection(holders)
+            if gen:  # some endpoint was forgotten: its older entries do not count
+                left = {e for e in left if holders[e] == gen.get(e, 0)}
+            if i:
+                # Only the endpoints that drop out are written, not every holder per block.
+                for endpoint in alive - left:
+                    matched[endpoint] = i
+            alive = left
             if not alive:
-                break
-            for endpoint in alive:
-                matched[endpoint] = i + 1
+                return matched
+        for endpoint in alive:
+            matched[endpoint] = i + 1 if holders else i
         return matched
 
     def record(self, hashes: Sequence[int], endpoint: str) -> None:
@@ -134,7 +149,7 @@ class PrefixIndex:
                 holders = self._holders[h] = {}
             else:
                 self._holders.move_to_end(h)
-            holders[endpoint] = None
+            holders[endpoint] = self._generation.get(endpoint, 0)
         while len(self._holders) > self.max_entries:
             self._holders.popitem(last=False)
 
@@ -162,8 +177,10 @@ def choose(
         # part, and what a worker without the cached prefix recomputes for everyone queued
         # after it (best - cached). Counting only this request's wait (no third term) sent a
         # conversation away whenever its worker was briefly busier: the pool recomputed the
-        # history and every later request waited for that. Without cache hits it is
-        # least_queued_tokens.
+        # history and every later request waited for that. Without cache hits it ranks by
+        # queued tokens; ties (every queue empty: most picks at light load) go to the worker
+        # with the fewest sequences, then the most free blocks, like least_loaded, not to the
+        # first endpoint by name (a colocated pool ran every conversation on one worker).
         return min(
             candidates,
             key=lambda w: (
@@ -172,7 +189,8 @@ def choose(
                 - cached.get(w.endpoint, 0)
                 + best
                 - cached.get(w.endpoint, 0),
-                w.pending_requests,
+                w.running + w.waiting + w.pending_requests,
+                -w.effective_free_blocks(),
             ),
         )
     if policy == "least_queued_tokens":
@@ -274,6 +292,7 @@ class WorkerPool:
             # may not have called it yet. Closing the channel (even with a grace) would fail
             # both, so it stays open, out of picking, for the grace, and closes after.
             worker = self.workers.pop(gone)
+            self.prefixes.forget(gone)  # back later (a restart) with an empty cache
             worker.load.draining = True  # a request holding it swaps it where it can
             task = asyncio.create_task(self._close_later(worker.channel))
             self._retiring[task] = worker.channel
@@ -300,6 +319,8 @@ class WorkerPool:
                 worker.late_polls += 1
                 if worker.late_polls < MAX_LATE_POLLS:
                     return  # busy, not dead: keep the last report until it answers again
+            if worker.load.healthy:
+                self.prefixes.forget(worker.load.endpoint)  # may come back restarted
             worker.load.healthy = False
             return
         worker.late_polls = 0
@@ -318,10 +339,14 @@ class WorkerPool:
         worker.last_report = time.monotonic()
 
     def pick(
-        self, exclude: set[str] | frozenset[str] = frozenset(), prompt: Sequence[int] = ()
+        self,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        prompt: Sequence[int] = (),
+        record: bool = True,
     ) -> Worker | None:
         """The worker for a request; with `cache_aware`, `prompt` is what it will prefill
-        (recorded as sent to the worker picked)."""
+        (recorded as sent to the worker picked unless `record` is false: then the caller calls
+        `sent` once it really sends it)."""
         self._counter += 1
         loads = [w.load for w in self.workers.values()]
         if self.policy != "cache_aware" or not prompt:
@@ -333,8 +358,15 @@ class WorkerPool:
         load = choose(loads, self.policy, exclude, self._counter, None, len(prompt), cached)
         if load is None:
             return None
-        self.prefixes.record(hashes, load.endpoint)
+        if record:
+            self.prefixes.record(hashes, load.endpoint)
         return self.workers[load.endpoint]
+
+    def sent(self, worker: Worker, prompt: Sequence[int]) -> None:
+        """`prompt` was sent to `worker` (what `cache_aware` routes the next ones by)."""
+        if self.policy == "cache_aware" and prompt:
+            hashes = self.prefixes.hashes(prompt, self.block_size())
+            self.prefixes.record(hashes, worker.load.endpoint)
 
     def block_size(self) -> int:
         """The workers' KV block size (their engines hash prompts in such blocks)."""
@@ -348,6 +380,7 @@ class WorkerPool:
         worker = self.workers.get(endpoint)
         if worker is not None:
             worker.load.healthy = False
+            self.prefixes.forget(endpoint)
 
     async def wait_for_change(self, timeout: float) -> None:
         """Sleeps until the next poll lands (or `timeout`), for callers waiting for capacity."""
