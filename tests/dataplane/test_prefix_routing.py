@@ -6,6 +6,8 @@ round-robin sends the next turn to the other worker, which computes it all again
 
 from __future__ import annotations
 
+import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +79,42 @@ def test_a_conversation_returns_to_the_worker_that_caches_it(
     else:
         # Round-robin alternates the two workers: some turn lands where its history is not.
         assert not all(all(conv) for conv in full), turns
+
+
+def cache_queries(worker: Any) -> float:
+    """Prompt blocks this worker has looked up in its prefix cache so far (one per block of
+    every prompt it prefilled)."""
+    text = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=30).text
+    m = re.search(r"^splitserve_prefix_cache_queries_total\{[^}]*\} (\S+)$", text, re.M)
+    return float(m[1]) if m else 0.0
+
+
+def test_new_conversations_arriving_together_spread(
+    pools: dict[str, Any], launch_worker: Any, tiny_model: Path
+) -> None:
+    # Requests that arrive together all pick a worker before any of their reservations
+    # returns; each counts as queued where it picked at once, so they do not all land on the
+    # same idle worker.
+    router = launch_worker(
+        "router",
+        [
+            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
+            "--prefill", ",".join(p.endpoint for p in pools["prefill"]),
+            "--decode", pools["decode"].endpoint,
+        ],
+        name="router-burst",
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)
+    before = [cache_queries(p) for p in pools["prefill"]]
+    prompts = [[6 + (97 * c + i) % 390 for i in range(64)] for c in range(6)]
+
+    def send(prompt: list[int]) -> int:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        return httpx.post(base + "/v1/completions", json=body, timeout=120).status_code
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(send, prompts)) == [200] * len(prompts)
+    after = [cache_queries(p) for p in pools["prefill"]]
+    got = [a - b for a, b in zip(after, before, strict=True)]
+    assert all(g > 0 for g in got), got  # both workers took some

@@ -13,7 +13,15 @@ from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.router import openai_api as api
 from splitserve_workers.router.detok import IncrementalDetokenizer
 from splitserve_workers.router.discovery import DnsDiscovery, StaticDiscovery, split_endpoints
-from splitserve_workers.router.flow import Flow, FlowError, FlowRequest, FlowSettings, _prefilled
+from splitserve_workers.router.flow import (
+    Flow,
+    FlowError,
+    FlowRequest,
+    FlowSettings,
+    _claim,
+    _prefilled,
+    _unclaim,
+)
 from splitserve_workers.router.picking import PrefixIndex, Worker, WorkerLoad, WorkerPool, choose
 
 # ---- detokenization -----------------------------------------------------------------------
@@ -686,3 +694,23 @@ def test_a_pick_records_the_prompt_only_when_asked() -> None:
     assert pool.prefixes.matched_blocks(pool.prefixes.hashes(prompt, 16)) == {
         picked.load.endpoint: 5
     }
+
+
+def test_a_claimed_worker_looks_busier_to_the_next_pick() -> None:
+    # Requests arriving together each pick, then await their decode reservation: the claim
+    # made at the pick is what the next request's pick sees.
+    pool = fake_pool("prefill", {"a:1": (64, 64), "b:1": (64, 64)})
+    pool.policy = "cache_aware"
+    first = pool.pick(prompt=list(range(10, 74)), record=False)
+    assert first is not None
+    claimed_at = _claim(first.load, 64)
+    second = pool.pick(prompt=list(range(100, 164)), record=False)
+    assert second is not None and second is not first
+    # A reservation that fails gives the claim back, unless a report has replaced it since.
+    _unclaim(first.load, 64, claimed_at)
+    assert (first.load.pending_tokens, first.load.pending_requests) == (0, 0)
+    claimed_at = _claim(second.load, 64)
+    second.load.reports += 1
+    second.load.pending_tokens = second.load.pending_requests = 0  # what a report does
+    _unclaim(second.load, 64, claimed_at)
+    assert (second.load.pending_tokens, second.load.pending_requests) == (0, 0)

@@ -149,6 +149,21 @@ def _prefilled(
         load.queued_tokens = max(0, load.queued_tokens - max(0, tokens - cached))
 
 
+def _claim(load: WorkerLoad, tokens: int) -> int:
+    """Counts a prompt as queued on the worker until its report does; returns the report
+    count it was claimed at."""
+    load.pending_tokens += tokens
+    load.pending_requests += 1
+    return load.reports
+
+
+def _unclaim(load: WorkerLoad, tokens: int, claimed_at: int) -> None:
+    """A claimed prompt will not be sent there after all (a report since then reset it)."""
+    if load.reports == claimed_at:
+        load.pending_tokens = max(0, load.pending_tokens - tokens)
+        load.pending_requests = max(0, load.pending_requests - 1)
+
+
 def _spawn(coro: Any) -> None:
     """Fire-and-forget that survives the caller's cancellation (aborts must still be sent)."""
     task = asyncio.get_running_loop().create_task(coro)
@@ -422,7 +437,15 @@ class Flow:
                         self.prefill, "prefill", wait_until, last_error
                     )
                     continue
-                decode = await self._reserve(worker_rid, prefill.model)
+                # Claimed now, before the reservation's await: requests arriving together all
+                # pick before any reservation returns, and unclaimed they all picked the same
+                # idle worker (a burst of new conversations then shared one prefill worker).
+                claimed_at = _claim(prefill.load, len(prompt))
+                try:
+                    decode = await self._reserve(worker_rid, prefill.model)
+                except BaseException:
+                    _unclaim(prefill.load, len(prompt), claimed_at)
+                    raise
                 if not prefill.load.healthy or prefill.load.draining:
                     # Waiting for decode blocks can take up to the admission timeout; the
                     # worker picked before it may have died or started draining meanwhile.
@@ -430,12 +453,16 @@ class Flow:
                     # against) takes its place instead of wasting an attempt.
                     other = self.prefill.pick(failed_prefill, prompt, record=False)
                     if other is not None and other.model == prefill.model:
+                        _unclaim(prefill.load, len(prompt), claimed_at)
                         prefill = other
+                        claimed_at = _claim(prefill.load, len(prompt))
+                if prefill.load.reports != claimed_at:
+                    # A Load report landed while the reservation waited: it was taken before
+                    # this prompt was sent and reset the router's deltas, so count it again.
+                    claimed_at = _claim(prefill.load, len(prompt))
                 self.stats.prefill_attempts += 1
                 self.stats.prefill_endpoint = prefill.load.endpoint
-                prefill.load.pending_tokens += len(req.prompt_token_ids)
-                prefill.load.pending_requests += 1
-                sent_at_report = prefill.load.reports
+                sent_at_report = claimed_at
                 self.prefill.sent(prefill, prompt)
                 prefill_done = False
                 prefill_call = prefill.stub.Prefill(
