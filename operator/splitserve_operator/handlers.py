@@ -18,6 +18,7 @@ import time
 from typing import Any, cast
 
 import kopf
+from splitserve_workers.config import ConfigError
 
 from . import GROUP, PLURAL, VERSION
 from .children import HPA, desired_children, unwanted_children
@@ -126,14 +127,17 @@ class Operator:
         generation = int(meta.get("generation") or 0)
         try:
             spec = parse_spec(dict(body.spec))
-        except SpecError as e:
+            keda = spec.autoscaling_mode == "KEDA" and self.keda_available()
+            objects = desired_children(
+                name, namespace, meta["uid"], spec, self.config, self.monitoring_available(), keda
+            )
+        except (SpecError, ConfigError) as e:
+            # ConfigError: the worker config built from the spec fails its own validation (a
+            # value the schema let through); without this it escaped as a bare exception that
+            # kopf retried forever, leaving no status and no Event.
             self.write_status(namespace, name, invalid=str(e))
             self.warn(body, "InvalidSpec", str(e))
             raise kopf.PermanentError(str(e)) from e
-        keda = spec.autoscaling_mode == "KEDA" and self.keda_available()
-        objects = desired_children(
-            name, namespace, meta["uid"], spec, self.config, self.monitoring_available(), keda
-        )
         if why == "change":
             # What rules a child out is a spec change (or, after a restart, a resume): no need
             # to look on every resync. Before the apply: a mode change from HPA to KEDA must
@@ -161,6 +165,9 @@ class Operator:
                 raise prune_error
         except ChildConflict as e:
             self._fault(namespace, name, "ChildConflict", str(e))
+            if e.gc_pending:
+                # Expected right after `kubectl delete` + `apply`: a few seconds, no Warning.
+                raise kopf.TemporaryError(str(e), delay=5) from e
             self.warn(body, "ChildConflict", str(e))
             # Waits on someone freeing the name (which raises no event the operator watches).
             raise kopf.TemporaryError(str(e), delay=30) from e
@@ -190,6 +197,14 @@ class Operator:
             # On a resync nothing in the spec changed: a change means someone edited a child.
             reason = "DriftRepaired" if why == "resync" else "Updated"
             kopf.info(body, reason=reason, message="applied " + ", ".join(outcome.updated))
+        if outcome.foreign:
+            self.warn(
+                body,
+                "ForeignChanges",
+                "pod template fields set by someone else, which the operator does not remove: "
+                + "; ".join(outcome.foreign)
+                + ": remove them, or delete the Deployment to have it recreated",
+            )
         if outcome.created or outcome.updated:
             logger.info(
                 f"{why}: created {len(outcome.created)}, updated {len(outcome.updated)} children"

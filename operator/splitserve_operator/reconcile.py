@@ -17,6 +17,7 @@ stands (scaling an HPA's target to zero is how one pauses it)."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,60 @@ class Outcome:
     deployments: dict[str, dict[str, Any]] = field(default_factory=dict)  # component -> live
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
+    # "Deployment ns/x: kubectl-set: spec.template.spec.containers[decode].env[EVIL]": pod
+    # template fields another field manager added, which a forced apply does not remove.
+    foreign: list[str] = field(default_factory=list)
+
+
+# Managers whose pod-template fields are expected: `kubectl rollout restart`'s annotation.
+_BENIGN_TEMPLATE_FIELDS = {("f:metadata", "f:annotations", "f:kubectl.kubernetes.io/restartedAt")}
+
+
+def _leaves(tree: dict[str, Any], path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The owned leaves of a managedFields fieldsV1 tree (`.` marks the element itself)."""
+    out: list[tuple[str, ...]] = []
+    for key, sub in tree.items():
+        if key == ".":
+            continue
+        # A keyed list element another manager added (an env var, a container) is one field,
+        # unless this manager only set some fields inside an element it did not add.
+        added = key.startswith("k:") and isinstance(sub, dict) and "." in sub
+        if not added and isinstance(sub, dict) and any(k != "." for k in sub):
+            out.extend(_leaves(sub, (*path, key)))
+        else:
+            out.append((*path, key))
+    return out
+
+
+def _readable(path: tuple[str, ...]) -> str:
+    parts: list[str] = []
+    for key in path:
+        if key.startswith("f:"):
+            parts.append(key[2:])
+        elif key.startswith("k:"):  # k:{"name":"decode"} -> [decode]
+            parts[-1] += "[" + ",".join(str(v) for v in json.loads(key[2:]).values()) + "]"
+        else:
+            parts[-1] += f"[{key}]"
+    return ".".join(parts)
+
+
+def foreign_template_fields(result: dict[str, Any]) -> list[str]:
+    """Pod-template fields of a Deployment owned by a manager other than the operator's:
+    a server-side apply takes back fields the operator sets, but keeps what others added (an
+    env var from `kubectl set env`, a sidecar container, a serviceAccountName), so the pods
+    run with them while the operator reports nothing."""
+    found: list[str] = []
+    for entry in result["metadata"].get("managedFields") or []:
+        manager = entry.get("manager", "")
+        if manager in (FIELD_MANAGER, REPLICAS_FIELD_MANAGER) or entry.get("subresource"):
+            continue
+        template = ((entry.get("fieldsV1") or {}).get("f:spec") or {}).get("f:template") or {}
+        leaves = [p for p in _leaves(template) if p not in _BENIGN_TEMPLATE_FIELDS]
+        if leaves:
+            shown = ", ".join(_readable(("f:spec", "f:template", *p)) for p in leaves[:5])
+            more = f" and {len(leaves) - 5} more" if len(leaves) > 5 else ""
+            found.append(f"{manager}: {shown}{more}")
+    return found
 
 
 def replicas_patch(obj: dict[str, Any], replicas: int) -> dict[str, Any]:
@@ -64,12 +119,28 @@ def changed(live: dict[str, Any], result: dict[str, Any]) -> bool:
     return content(live) != content(result)
 
 
+_EARLIER_WHY = "it belongs to the deleted LLMService of this name"
+_EARLIER = f" ({_EARLIER_WHY})"
+
+
 class ChildConflict(Exception):
     """Objects with the names of this LLMService's children exist and are not its own: the
     operator will not take them over (their owner reference would hand them to the garbage
     collector with the LLMService)."""
 
     def __init__(self, conflicts: list[str]) -> None:
+        # Every one the child of a namesake deleted a moment ago (`kubectl delete` then
+        # `apply`): nothing to do but wait for the garbage collector, so say that, and look
+        # again soon rather than in 30 s.
+        self.gc_pending = all(c.endswith(_EARLIER) for c in conflicts)
+        if self.gc_pending:
+            super().__init__(
+                f"waiting for the garbage collector to delete {len(conflicts)} children of the"
+                " deleted LLMService of this name (first: "
+                + conflicts[0].removesuffix(_EARLIER)
+                + ")"
+            )
+            return
         super().__init__(
             "refusing to take over "
             + "; ".join(conflicts)
@@ -106,10 +177,12 @@ def not_ours(live: dict[str, Any], desired: dict[str, Any]) -> str | None:
         if all(wanted.get(k) and labels.get(k) == wanted[k] for k in _ADOPTION_LABELS):
             return None
         return "it has no controller"
-    same_name = controller.get("kind") == "LLMService"
-    held_by = f"{controller.get('kind')} {controller.get('name')}"
-    # A namesake LLMService deleted a moment ago: the garbage collector is removing it.
-    return f"it belongs to {held_by}" + (" (an earlier one of that name)" if same_name else "")
+    if controller.get("kind") == "LLMService" and controller.get("name") == desired["metadata"][
+        "labels"
+    ].get("app.kubernetes.io/instance"):
+        # A namesake LLMService deleted a moment ago: the garbage collector is removing it.
+        return _EARLIER_WHY
+    return f"it belongs to {controller.get('kind')} {controller.get('name')}"
 
 
 def apply_deployment(
@@ -150,6 +223,7 @@ def apply_deployment(
         elif changed(live, result):
             outcome.updated.append(str(ref))
     outcome.deployments[component] = result
+    outcome.foreign.extend(f"{ref} ({why})" for why in foreign_template_fields(result))
 
 
 def apply_children(
@@ -166,17 +240,41 @@ def apply_children(
     if conflicts:
         raise ChildConflict(conflicts)
     outcome = Outcome()
+    # One child the API server refuses must not hold back the others: a Service it cannot
+    # repair used to leave a hand-set Deployment image (and every later child) unrepaired.
+    failures: list[KubeError] = []
     for obj, live in zip(objects, lives, strict=True):
         ref = Ref.of(obj)
         try:
             if obj["kind"] == "Deployment":
                 apply_deployment(kube, obj, mode, outcome, wake_from_zero, live)
                 continue
-            result = kube.apply(obj, FIELD_MANAGER)
+            try:
+                result = kube.apply(obj, FIELD_MANAGER)
+            except KubeError as e:
+                if not (e.status == 422 and live is not None and obj["kind"] == "Service"):
+                    raise
+                # A hand edit that renumbered a port leaves that entry owned by another field
+                # manager, which a forced apply keeps: the merged list then holds two ports
+                # named `http` (422, at every retry). Replace the list, then apply again.
+                kube.request(
+                    "PATCH",
+                    ref.path(),
+                    query=[("fieldManager", FIELD_MANAGER)],
+                    body={"spec": {"ports": obj["spec"]["ports"]}},
+                    content_type="application/merge-patch+json",
+                )
+                result = kube.apply(obj, FIELD_MANAGER)
         except KubeError as e:
-            raise e.applying(str(ref)) from e
+            failures.append(e.applying(str(ref)))
+            continue
         if live is None:
             outcome.created.append(str(ref))
         elif changed(live, result):
             outcome.updated.append(str(ref))
+    if failures:
+        first = failures[0]
+        if len(failures) > 1:
+            first.args = ("; ".join(str(f) for f in failures),)
+        raise first
     return outcome

@@ -229,9 +229,11 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
         settings["maxBatchSize"] = _int(data, "maxBatchSize", 128, path, minimum=1)
         settings["blockSize"] = _int(data, "blockSize", 16, path, minimum=1)
     if name != "router" and "kvCacheMemory" in data:
-        settings["kvCacheMemoryBytes"] = parse_quantity(
-            data["kvCacheMemory"], f"{path}.kvCacheMemory"
-        )
+        kv_bytes = parse_quantity(data["kvCacheMemory"], f"{path}.kvCacheMemory")
+        if kv_bytes < 1:
+            # Objects stored before the schema's rule: the worker config would refuse it.
+            raise SpecError(f"{path}.kvCacheMemory: {data['kvCacheMemory']!r} must be positive")
+        settings["kvCacheMemoryBytes"] = kv_bytes
     resources = dict(data.get("resources") or {})
     if name == "router" and "resources" not in data:
         # Unset, the router pods would be BestEffort: first evicted under node pressure, and

@@ -328,7 +328,21 @@ QUANTITY_INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "negative kvCacheMemory",
         {"decode": {"kvCacheMemory": -1}},
         "spec.decode.kvCacheMemory",
-        "greater than or equal to 0",
+        "greater than or equal to 1",
+    ),
+    (
+        # Passed the pattern, then failed the worker config's own check on every reconcile
+        # (no status, no Event).
+        "zero kvCacheMemory",
+        {"prefill": {"kvCacheMemory": "0"}},
+        "spec.prefill.kvCacheMemory",
+        "must be a positive quantity such as 64Mi or 8Gi",
+    ),
+    (
+        "kvCacheMemory under one byte",
+        {"decode": {"kvCacheMemory": "0.5"}},
+        "spec.decode.kvCacheMemory",
+        "must be a positive quantity such as 64Mi or 8Gi",
     ),
     (
         "negative emptyDir sizeLimit",
@@ -401,7 +415,7 @@ def test_quantities_kubernetes_takes_are_accepted(
         llmservice(
             {
                 "decode": {
-                    "kvCacheMemory": 0,
+                    "kvCacheMemory": 1,  # the smallest (0 is refused above)
                     "resources": {
                         "requests": {"cpu": 0, "memory": "512Mi", "nvidia.com/gpu": 1},
                         "limits": {"cpu": "0.5", "memory": 1073741824, "nvidia.com/gpu": "1"},

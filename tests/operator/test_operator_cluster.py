@@ -826,9 +826,9 @@ def test_crd_defaults_and_printer_columns(
     assert spec["autoscaling"]["mode"] == "Off"
     assert spec["decode"]["maxBatchSize"] == 128
     table = control_plane.kubectl("get", "-n", namespace, "llms").stdout.split("\n")[0].split()
-    assert table == ["NAME", "READY", "PREFILL", "DECODE", "TTFT", "TPOT", "AGE"]
+    assert table == ["NAME", "READY", "DEGRADED", "PREFILL", "DECODE", "TTFT", "TPOT", "AGE"]
     wide = control_plane.kubectl("get", "-n", namespace, "llms", "-o", "wide").stdout
-    assert wide.split("\n")[0].split()[7:] == ["REASON", "MODE", "ENDPOINT", "MESSAGE"]
+    assert wide.split("\n")[0].split()[8:] == ["REASON", "MODE", "ENDPOINT", "MESSAGE"]
 
 
 def test_fifty_services_in_five_namespaces(control_plane: Any, operator: OperatorProcess) -> None:

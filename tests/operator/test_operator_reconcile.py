@@ -226,8 +226,9 @@ def test_an_object_it_does_not_control_stops_the_apply_before_any_change() -> No
     earlier = copy.deepcopy(config["metadata"]["ownerReferences"])
     earlier[0]["uid"] = "older-uid"
     kube.objects[ref]["metadata"]["ownerReferences"] = earlier
-    with pytest.raises(ChildConflict, match="an earlier one of that name"):
+    with pytest.raises(ChildConflict, match="waiting for the garbage collector") as err:
         apply_children(kube, objs, "Off")  # type: ignore[arg-type]
+    assert err.value.gc_pending
     # Its own child (same uid) is applied over as usual.
     kube.objects[ref]["metadata"]["ownerReferences"] = config["metadata"]["ownerReferences"]
     apply_children(kube, objs, "Off")  # type: ignore[arg-type]
@@ -338,3 +339,25 @@ def test_a_deployment_deleted_after_the_read_comes_back_with_the_spec_replicas()
     outcome = apply_children(kube, children("Builtin"), "Builtin")  # type: ignore[arg-type]
     assert kube.objects[DECODE]["spec"]["replicas"] == 2
     assert str(DECODE) in outcome.created
+
+
+def test_one_refused_child_does_not_hold_back_the_others() -> None:
+    """A Service the API server refuses (say, a hand-renumbered port) used to stop the apply,
+    leaving a hand-set Deployment image unrepaired for as long as the Service failed."""
+    kube = RecordingKube()
+    objs = children("Off")
+    apply_children(kube, objs, "Off")  # type: ignore[arg-type]
+    refused = next(o for o in objs if o["kind"] == "ConfigMap")
+    real_apply = kube.apply
+
+    def apply(obj: dict[str, Any], manager: str, force: bool = True) -> dict[str, Any]:
+        if Ref.of(obj) == Ref.of(refused):
+            raise KubeError(422, "PATCH", "/x", "ConfigMap is invalid")
+        return real_apply(obj, manager, force)
+
+    kube.apply = apply  # type: ignore[method-assign]
+    kube.calls.clear()
+    with pytest.raises(KubeError, match="applying ConfigMap"):
+        apply_children(kube, objs, "Off")  # type: ignore[arg-type]
+    assert any(Ref.of(o).kind == "Deployment" for o in objs)
+    assert len(kube.calls) >= len(objs) - 1  # every other child was still applied
