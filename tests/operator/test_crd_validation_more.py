@@ -619,6 +619,24 @@ def test_api_key_secret_is_a_secret_reference(
         assert refused in proc.stderr, proc.stderr
 
 
+@pytest.mark.cluster
+def test_replica_bounds_are_reported_once_each(
+    control_plane: Any, cluster_release: Any, namespace: str
+) -> None:
+    auto = {"mode": "Builtin"}
+    outside = {"prefill": {"replicas": 5, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}}
+    proc = dry_run(control_plane, namespace, llmservice({"autoscaling": auto, **outside}))
+    assert proc.returncode != 0
+    assert "spec.prefill: Invalid value" in proc.stderr, proc.stderr
+    assert "change replicas in the same edit" in proc.stderr, proc.stderr
+    # Inconsistent bounds are reported alone, not also as replicas outside them.
+    crossed = {"decode": {"replicas": 2, "autoscaling": {"minReplicas": 4, "maxReplicas": 3}}}
+    proc = dry_run(control_plane, namespace, llmservice({"autoscaling": auto, **crossed}))
+    assert proc.returncode != 0
+    assert "autoscaling.minReplicas must be <= autoscaling.maxReplicas" in proc.stderr
+    assert "replicas must lie within" not in proc.stderr, proc.stderr
+
+
 @pytest.fixture(scope="module")
 def helm() -> Path:
     import plane  # hack/testplane, on sys.path through tests/conftest.py
