@@ -31,6 +31,20 @@ gen() {  # gen OUTDIR: writes the package's files into OUTDIR
     # the stubs live inside splitserve_workers.proto, so make them package-relative.
     sed -E 's/^from splitserve\.v1 import /from . import /' "$f" > "$out/$(basename "$f")"
   done
+  # grpc_tools also writes a `<Service>Servicer` base class per service whose every method
+  # answers UNIMPLEMENTED. The workers implement their services whole and register them with
+  # add_<Service>Servicer_to_server, which looks every method up at registration: without the
+  # base classes a missing method fails the worker's start instead of a client's call later.
+  "$py" - "$out"/*_pb2_grpc.py <<'PY'
+import re
+import sys
+
+for path in sys.argv[1:]:
+    text = open(path).read()
+    # A class block runs to the next top-level statement.
+    text = re.sub(r"\nclass \w+Servicer:\n.*?\n(?=\S)", "\n", text, flags=re.S)
+    open(path, "w").write(text)
+PY
   cat > "$out/__init__.py" <<'PY'
 """Generated gRPC stubs for protos/splitserve/v1 (hack/gen-protos.sh writes them; do not edit)."""
 PY

@@ -50,9 +50,10 @@ def start_stack(model: Path, launch_worker: Any, worker_flags: Any) -> tuple[Any
     return prefill, decode, router, base
 
 
-class StalledDecode(pbg.DecodeServiceServicer):
+class StalledDecode:
     """A decode side that takes the whole KV stream but never acknowledges it, so the prefill
-    worker sits in its wait for the transfer; records when the stream is cut."""
+    worker sits in its wait for the transfer; records when the stream is cut. It serves PushKV
+    only (`serve`): the prefill worker calls nothing else on it."""
 
     def __init__(self) -> None:
         self.received_last = asyncio.Event()
@@ -69,13 +70,24 @@ class StalledDecode(pbg.DecodeServiceServicer):
             raise
         return pb.PushKVResponse()
 
+    def serve(self, server: Any) -> None:
+        handler = grpc.stream_unary_rpc_method_handler(
+            self.PushKV,
+            request_deserializer=pb.KVChunk.FromString,
+            response_serializer=pb.PushKVResponse.SerializeToString,
+        )
+        service = grpc.method_handlers_generic_handler(
+            "splitserve.v1.DecodeService", {"PushKV": handler}
+        )
+        server.add_generic_rpc_handlers((service,))
+
 
 async def test_prefill_cancelled_during_transfer_cuts_the_kv_stream(
     tiny_model: Path, launch_worker: Any, worker_flags: Any, dataplane: Any
 ) -> None:
     fake = StalledDecode()
     server = grpc.aio.server()
-    pbg.add_DecodeServiceServicer_to_server(fake, server)
+    fake.serve(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

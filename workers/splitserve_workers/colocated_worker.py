@@ -17,7 +17,7 @@ from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.proto import serving_pb2_grpc as pb_grpc
 
 
-class ColocatedRole(pb_grpc.ColocatedServiceServicer):
+class ColocatedRole:
     def __init__(self, worker: rt.Worker) -> None:
         self.w = worker
         self.loop = worker.loop

@@ -39,7 +39,7 @@ def _rpc_error_status(e: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.UNAVAILABLE, str(e) or type(e).__name__
 
 
-class PrefillRole(pb_grpc.PrefillServiceServicer):
+class PrefillRole:
     def __init__(self, worker: rt.Worker) -> None:
         self.w = worker
         self.loop = worker.loop

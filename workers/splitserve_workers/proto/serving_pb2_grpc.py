@@ -61,42 +61,6 @@ class DecodeServiceStub:
                 _registered_method=True)
 
 
-class DecodeServiceServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Reserve(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PushKV(self, request_iterator, context):
-        """Client-streaming from a prefill worker; the stream ends with a chunk whose `last` is set.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Generate(self, request, context):
-        """Waits until the reserved request's KV is complete, then streams generated tokens.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Load(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
@@ -297,28 +261,6 @@ class PrefillServiceStub:
                 _registered_method=True)
 
 
-class PrefillServiceServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Prefill(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Load(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_stream_rpc_method_handler(
@@ -453,28 +395,6 @@ class ColocatedServiceStub:
                 request_serializer=splitserve_dot_v1_dot_serving__pb2.LoadRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_serving__pb2.LoadReport.FromString,
                 _registered_method=True)
-
-
-class ColocatedServiceServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Complete(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Load(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
 
 def add_ColocatedServiceServicer_to_server(servicer, server):
