@@ -30,6 +30,25 @@ def pools(tiny_model: Path, launch_module_worker: Any, worker_flags: Any) -> dic
     return {"prefill": prefill, "decode": decode}
 
 
+def start_router(
+    pools: dict[str, Any], launch_worker: Any, model: Path, name: str, policy: str | None = None
+) -> str:
+    """A router in front of both pools, ready; returns its base URL."""
+    router = launch_worker(
+        "router",
+        [
+            "--model", str(model), "--port", "0", "--host", "127.0.0.1",
+            "--prefill", ",".join(p.endpoint for p in pools["prefill"]),
+            "--decode", pools["decode"].endpoint,
+            *(["--prefill-policy", policy] if policy else []),
+        ],
+        name=name,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{router.port}"
+    wait_ready(base)  # its first refresh polls every worker of both pools at once
+    return base
+
+
 def cached_tokens_per_turn(base: str, conversations: int, turns: int, salt: int) -> list[list]:
     """[(previous prompt length, cached tokens)] of every turn after the first, per
     conversation; conversations take turns one request at a time."""
@@ -56,18 +75,7 @@ def cached_tokens_per_turn(base: str, conversations: int, turns: int, salt: int)
 def test_a_conversation_returns_to_the_worker_that_caches_it(
     pools: dict[str, Any], launch_worker: Any, tiny_model: Path, policy: str
 ) -> None:
-    router = launch_worker(
-        "router",
-        [
-            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
-            "--prefill", ",".join(p.endpoint for p in pools["prefill"]),
-            "--decode", pools["decode"].endpoint,
-            "--prefill-policy", policy,
-        ],
-        name=f"router-{policy}",
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{router.port}"
-    wait_ready(base)  # its first refresh polls every worker of both pools at once
+    base = start_router(pools, launch_worker, tiny_model, f"router-{policy}", policy)
     # Prompts of their own per policy (the workers, and so their caches, are shared by both
     # runs): len(policy) was the same salt for both, 11 letters each.
     salt = ["cache_aware", "round_robin"].index(policy) + 1
@@ -95,17 +103,7 @@ def test_new_conversations_arriving_together_spread(
     # Requests that arrive together all pick a worker before any of their reservations
     # returns; each counts as queued where it picked at once, so they do not all land on the
     # same idle worker.
-    router = launch_worker(
-        "router",
-        [
-            "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
-            "--prefill", ",".join(p.endpoint for p in pools["prefill"]),
-            "--decode", pools["decode"].endpoint,
-        ],
-        name="router-burst",
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{router.port}"
-    wait_ready(base)
+    base = start_router(pools, launch_worker, tiny_model, "router-burst")  # the default policy
     before = [cache_queries(p) for p in pools["prefill"]]
     prompts = [[6 + (97 * c + i) % 390 for i in range(64)] for c in range(6)]
 

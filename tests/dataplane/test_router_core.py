@@ -308,12 +308,13 @@ def test_cache_aware_pool_sends_a_conversation_back_to_its_worker() -> None:
     pool = fake_pool("prefill", {"a:1": (64, 64), "b:1": (64, 64)})
     pool.policy = "cache_aware"
     turn1 = list(range(10, 90))
-    first = pool.pick(prompt=turn1)
+    first = pool.pick(prompt=pool.prompt_key(turn1))
     assert first is not None
+    pool.sent(first, pool.prompt_key(turn1))
     first.load.pending_tokens += 50  # a little busier than the other now
-    turn2 = turn1 + list(range(200, 240))
+    turn2 = pool.prompt_key(turn1 + list(range(200, 240)))
     assert pool.pick(prompt=turn2) is first  # 80 cached tokens outweigh 50 queued
-    other = pool.pick(prompt=list(range(500, 580)))  # a new conversation: the idler worker
+    other = pool.pick(prompt=pool.prompt_key(list(range(500, 580))))  # the idler worker
     assert other is not None and other is not first
     # A worker excluded (it failed) is never picked, cache or not.
     assert pool.pick({first.load.endpoint}, prompt=turn2) is other
@@ -684,13 +685,13 @@ def test_prefix_index_forgets_a_worker_that_failed_or_left() -> None:
     assert index.matched_blocks(index.hashes(prompt, 16)) == {"a:1": 4, "b:1": 2}
 
 
-def test_a_pick_records_the_prompt_only_when_asked() -> None:
+def test_a_prompt_is_recorded_when_sent_not_when_picked() -> None:
     pool = fake_pool("colocated", {"a:1": (64, 64), "b:1": (64, 64)})
     pool.policy = "cache_aware"
     prompt = list(range(10, 90))
-    picked = pool.pick(prompt=prompt, record=False)
+    picked = pool.pick(prompt=pool.prompt_key(prompt))
     assert picked is not None and len(pool.prefixes) == 0
-    pool.sent(picked, prompt)
+    pool.sent(picked, pool.prompt_key(prompt))
     assert pool.prefixes.matched_blocks(pool.prefixes.hashes(prompt, 16)) == {
         picked.load.endpoint: 5
     }
@@ -701,10 +702,10 @@ def test_a_claimed_worker_looks_busier_to_the_next_pick() -> None:
     # made at the pick is what the next request's pick sees.
     pool = fake_pool("prefill", {"a:1": (64, 64), "b:1": (64, 64)})
     pool.policy = "cache_aware"
-    first = pool.pick(prompt=list(range(10, 74)), record=False)
+    first = pool.pick(prompt=pool.prompt_key(list(range(10, 74))))
     assert first is not None
     claimed_at = _claim(first.load, 64)
-    second = pool.pick(prompt=list(range(100, 164)), record=False)
+    second = pool.pick(prompt=pool.prompt_key(list(range(100, 164))))
     assert second is not None and second is not first
     # A reservation that fails gives the claim back, unless a report has replaced it since.
     _unclaim(first.load, 64, claimed_at)

@@ -310,12 +310,15 @@ class LLMEngine:
                 if seq.generator is not None:
                     assert seq.params.seed is not None
                     seq.generator.manual_seed(_token_seed(seq.params.seed, seq.num_output_tokens))
+            params = [s.params for s in sampled]
+            # Token histories only for a batch with penalties (built every step otherwise).
+            penalized = any(p.adjusts_logits for p in params)
             tokens, logprobs, tops = sample(
                 logits,
-                [s.params for s in sampled],
+                params,
                 [s.generator for s in sampled],
-                [(s.token_ids, s.num_prompt_tokens) for s in sampled],
-                [s.penalty_state for s in sampled],
+                [(s.token_ids, s.num_prompt_tokens) for s in sampled] if penalized else None,
+                [s.penalty_state for s in sampled] if penalized else None,
             )
         except Exception:
             # A failed pass fails its batch, not the engine: answer and free those requests.

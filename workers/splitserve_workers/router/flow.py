@@ -414,6 +414,7 @@ class Flow:
         generate_call: Any = None
         worker_rid = req.request_id
         failed_prefill: set[str] = set()
+        key = self.prefill.prompt_key(req.prompt_token_ids)
         try:
             # ---- reserve + prefill, retried on another prefill worker ----
             last_error = ""
@@ -424,13 +425,12 @@ class Flow:
                     raise FlowError(502, f"prefill failed on {attempt} worker(s): {last_error}")
                 # Each attempt gets its own id: leftovers of a failed one never collide.
                 worker_rid = req.request_id if attempt == 0 else f"{req.request_id}.r{attempt}"
-                prompt = req.prompt_token_ids
                 # Recorded in the prefix index only when sent (below): the reservation may
                 # fail, or another worker take this one's place.
-                prefill = self.prefill.pick(failed_prefill, prompt, record=False)
+                prefill = self.prefill.pick(failed_prefill, key)
                 if prefill is None and failed_prefill:
                     # Every worker failed once: try again anyway.
-                    prefill = self.prefill.pick(prompt=prompt, record=False)
+                    prefill = self.prefill.pick(prompt=key)
                 if prefill is None:
                     # None now (a pool at zero waking up, or every worker restarting): wait.
                     wait_until = await self._wait_for_workers(
@@ -440,30 +440,30 @@ class Flow:
                 # Claimed now, before the reservation's await: requests arriving together all
                 # pick before any reservation returns, and unclaimed they all picked the same
                 # idle worker (a burst of new conversations then shared one prefill worker).
-                claimed_at = _claim(prefill.load, len(prompt))
+                claimed_at = _claim(prefill.load, key.tokens)
                 try:
                     decode = await self._reserve(worker_rid, prefill.model)
                 except BaseException:
-                    _unclaim(prefill.load, len(prompt), claimed_at)
+                    _unclaim(prefill.load, key.tokens, claimed_at)
                     raise
                 if not prefill.load.healthy or prefill.load.draining:
                     # Waiting for decode blocks can take up to the admission timeout; the
                     # worker picked before it may have died or started draining meanwhile.
                     # Another with the same ModelSpec (the one the reservation was checked
                     # against) takes its place instead of wasting an attempt.
-                    other = self.prefill.pick(failed_prefill, prompt, record=False)
+                    other = self.prefill.pick(failed_prefill, key)
                     if other is not None and other.model == prefill.model:
-                        _unclaim(prefill.load, len(prompt), claimed_at)
+                        _unclaim(prefill.load, key.tokens, claimed_at)
                         prefill = other
-                        claimed_at = _claim(prefill.load, len(prompt))
+                        claimed_at = _claim(prefill.load, key.tokens)
                 if prefill.load.reports != claimed_at:
                     # A Load report landed while the reservation waited: it was taken before
                     # this prompt was sent and reset the router's deltas, so count it again.
-                    claimed_at = _claim(prefill.load, len(prompt))
+                    claimed_at = _claim(prefill.load, key.tokens)
                 self.stats.prefill_attempts += 1
                 self.stats.prefill_endpoint = prefill.load.endpoint
                 sent_at_report = claimed_at
-                self.prefill.sent(prefill, prompt)
+                self.prefill.sent(prefill, key)
                 prefill_done = False
                 prefill_call = prefill.stub.Prefill(
                     serving_pb2.PrefillRequest(
@@ -579,13 +579,12 @@ class Flow:
         done = False
         last_error = ""
         wait_until: float | None = None
+        key = self.colocated.prompt_key(req.prompt_token_ids)
         try:
             while True:
                 if len(failed) >= self.settings.max_prefill_attempts:
                     raise FlowError(502, f"failed on {len(failed)} worker(s): {last_error}")
-                worker = self.colocated.pick(
-                    failed | too_small.keys(), req.prompt_token_ids, record=False
-                )
+                worker = self.colocated.pick(failed | too_small.keys(), key)
                 if worker is None:
                     if failed:
                         raise FlowError(502, f"every colocated worker failed: {last_error}")
@@ -605,7 +604,7 @@ class Flow:
                 worker.load.pending_tokens += len(req.prompt_token_ids)
                 worker.load.pending_requests += 1
                 sent_at_report = worker.load.reports
-                self.colocated.sent(worker, req.prompt_token_ids)
+                self.colocated.sent(worker, key)
                 self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint
                 start = time.monotonic()
                 done = False

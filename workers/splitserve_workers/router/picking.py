@@ -85,6 +85,14 @@ class WorkerLoad:
         return self.free_blocks - self.pending_blocks
 
 
+@dataclass(frozen=True)
+class PromptKey:
+    """A prompt as WorkerPool.pick sees it (WorkerPool.prompt_key)."""
+
+    tokens: int
+    hashes: list[int] = field(default_factory=list)
+
+
 class PrefixIndex:
     """Which workers this router sent which prompt prefixes to: chained hashes of a prompt's
     full blocks, each with the endpoints that got a prompt starting with it, least recently
@@ -338,35 +346,32 @@ class WorkerPool:
         worker.model = report.model
         worker.last_report = time.monotonic()
 
+    def prompt_key(self, prompt: Sequence[int]) -> PromptKey:
+        """What cache_aware picks by: the prompt's length and its block hashes (none for the
+        other policies). Hashed once per request, not at every pick and again when sent."""
+        if self.policy != "cache_aware" or not prompt:
+            return PromptKey(len(prompt))
+        return PromptKey(len(prompt), self.prefixes.hashes(prompt, self.block_size()))
+
     def pick(
-        self,
-        exclude: set[str] | frozenset[str] = frozenset(),
-        prompt: Sequence[int] = (),
-        record: bool = True,
+        self, exclude: set[str] | frozenset[str] = frozenset(), prompt: PromptKey | None = None
     ) -> Worker | None:
-        """The worker for a request; with `cache_aware`, `prompt` is what it will prefill
-        (recorded as sent to the worker picked unless `record` is false: then the caller calls
-        `sent` once it really sends it)."""
+        """The worker for a request; with `cache_aware`, `prompt` (prompt_key) ranks workers by
+        what they likely cache. Nothing is recorded until `sent`."""
         self._counter += 1
         loads = [w.load for w in self.workers.values()]
-        if self.policy != "cache_aware" or not prompt:
+        if self.policy != "cache_aware" or prompt is None:
             load = choose(loads, self.policy, exclude, self._counter)
             return None if load is None else self.workers[load.endpoint]
         block = self.block_size()
-        hashes = self.prefixes.hashes(prompt, block)
-        cached = {e: n * block for e, n in self.prefixes.matched_blocks(hashes).items()}
-        load = choose(loads, self.policy, exclude, self._counter, None, len(prompt), cached)
-        if load is None:
-            return None
-        if record:
-            self.prefixes.record(hashes, load.endpoint)
-        return self.workers[load.endpoint]
+        cached = {e: n * block for e, n in self.prefixes.matched_blocks(prompt.hashes).items()}
+        load = choose(loads, self.policy, exclude, self._counter, None, prompt.tokens, cached)
+        return None if load is None else self.workers[load.endpoint]
 
-    def sent(self, worker: Worker, prompt: Sequence[int]) -> None:
-        """`prompt` was sent to `worker` (what `cache_aware` routes the next ones by)."""
-        if self.policy == "cache_aware" and prompt:
-            hashes = self.prefixes.hashes(prompt, self.block_size())
-            self.prefixes.record(hashes, worker.load.endpoint)
+    def sent(self, worker: Worker, prompt: PromptKey) -> None:
+        """The prompt was sent to `worker` (what `cache_aware` routes the next ones by)."""
+        if prompt.hashes:
+            self.prefixes.record(prompt.hashes, worker.load.endpoint)
 
     def block_size(self) -> int:
         """The workers' KV block size (their engines hash prompts in such blocks)."""
