@@ -269,6 +269,17 @@ def decode_load(stack: dict[str, Any]) -> pb.LoadReport:
         return pb_grpc.DecodeServiceStub(channel).Load(pb.LoadRequest(), timeout=60)
 
 
+def assert_blocks_back(stack: dict[str, Any], initial: int) -> None:
+    """The decode worker's free blocks return to `initial` (the aborts land asynchronously;
+    the wait bounds a hang, it is not timed) and nothing runs."""
+    deadline = time.monotonic() + 60
+    while decode_load(stack).free_blocks != initial and time.monotonic() < deadline:
+        time.sleep(0.1)
+    report = decode_load(stack)
+    assert report.free_blocks == initial
+    assert report.running == 0
+
+
 def test_early_finishes_free_the_decode_blocks(stack: dict[str, Any], engine: Any) -> None:
     """max_tokens=1 ends at the prefill worker's token; a stop string ends mid-decode. Both
     leave a reservation or a running sequence on the decode worker that the router aborts."""
@@ -294,12 +305,7 @@ def test_early_finishes_free_the_decode_blocks(stack: dict[str, Any], engine: An
         extra_body={"ignore_eos": True},
     )
     assert stopped.choices[0].finish_reason == "stop"
-    deadline = time.monotonic() + 60
-    while decode_load(stack).free_blocks != initial and time.monotonic() < deadline:
-        time.sleep(0.1)
-    report = decode_load(stack)
-    assert report.free_blocks == initial
-    assert report.running == 0
+    assert_blocks_back(stack, initial)
 
 
 def test_seeded_sampling_is_reproducible(stack: dict[str, Any]) -> None:
@@ -392,7 +398,19 @@ def _error(r: httpx.Response) -> dict[str, Any]:
         ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": 42}, 400, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 65}, 400, "n"),
+        ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 22}, 400, "n"),
+        ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt[1]"),
+        ("/v1/completions", {"prompt": [[1, 2], [-1]]}, 400, "prompt[1]"),
+        ("/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [[1], [999999]]}, 400, "prompt[1]"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "n": 65},
+            400,
+            "n",
+        ),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"a": 5}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
@@ -638,3 +656,162 @@ def test_the_router_process_never_loads_torch(stack: dict[str, Any]) -> None:
     loaded = {line.split()[-1] for line in maps.splitlines() if "/" in line}
     assert not [path for path in loaded if "libtorch" in Path(path).name], "torch is loaded"
     assert any("tokenizers" in path for path in loaded)  # what the router does load
+
+
+# ---- several choices: `n`, and a batch of prompts -------------------------------------------
+
+
+def _metric(stack: dict[str, Any], name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(stack["base"] + "/metrics", timeout=30).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_n_choices_sample_with_consecutive_seeds(stack: dict[str, Any]) -> None:
+    """Copy j of a seeded request samples as the same request with seed + j would (vLLM's
+    rule), so an answer with n choices is reproducible and its choices differ."""
+    c = client(stack)
+    kwargs: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": PROMPTS[1],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    ttft = _metric(stack, "splitserve_time_to_first_token_seconds_count")
+    ok = _metric(stack, "splitserve_requests_total", status="ok")
+    many = c.completions.create(n=3, seed=77, **kwargs)
+    assert [choice.index for choice in many.choices] == [0, 1, 2]
+    singles = [c.completions.create(seed=77 + j, **kwargs).choices[0].text for j in range(3)]
+    assert [choice.text for choice in many.choices] == singles
+    assert len(set(singles)) == 3  # 12 tokens sampled at temperature 1 from 3 seeds
+    assert all(choice.finish_reason == "length" for choice in many.choices)
+    # The prompt counts once; every choice's tokens count.
+    assert many.usage is not None
+    assert many.usage.prompt_tokens == c.completions.create(**kwargs).usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * 12
+    # One request, three generations (each with its own TTFT), then the 4 single requests.
+    assert _metric(stack, "splitserve_requests_total", status="ok") == ok + 4 + 1
+    assert _metric(stack, "splitserve_time_to_first_token_seconds_count") == ttft + 3 + 4
+
+
+def test_n_streamed_chat_choices_each_start_and_finish(stack: dict[str, Any], engine: Any) -> None:
+    messages = [{"role": "user", "content": "Say something long."}]
+    expected = reference(engine, chat_ids(engine, messages), 10)
+    stream = client(stack).chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text: dict[int, str] = {0: "", 1: ""}
+    roles: dict[int, list[str | None]] = {0: [], 1: []}
+    finish: dict[int, list[str]] = {0: [], 1: []}
+    usages = []
+    ids = set()
+    for chunk in stream:
+        ids.add(chunk.id)
+        if chunk.usage:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            text[choice.index] += choice.delta.content or ""
+            roles[choice.index].append(choice.delta.role)
+            if choice.finish_reason:
+                finish[choice.index].append(choice.finish_reason)
+    assert len(ids) == 1
+    assert text == {0: expected, 1: expected}  # greedy: two equal choices
+    for index in (0, 1):
+        # The role in each choice's first delta only, one finish reason, at its end.
+        assert roles[index][0] == "assistant" and set(roles[index][1:]) <= {None}
+        assert len(finish[index]) == 1
+    single = client(stack).chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0,
+    )
+    assert single.usage is not None and len(usages) == 1
+    assert usages[0].prompt_tokens == single.usage.prompt_tokens
+    assert usages[0].completion_tokens == 2 * single.usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_answers_each_in_order(
+    stack: dict[str, Any], engine: Any, stream: bool
+) -> None:
+    """OpenAI's completions batch: prompt i's n choices have indexes i*n .. i*n+n-1. Prompts as
+    text and as token ids."""
+    ids = engine.tokenizer.encode(PROMPTS[3])
+    prompts: list[Any] = [PROMPTS[0], PROMPTS[2], ids]
+    expected = [reference(engine, engine.tokenizer.encode(p), 8) for p in prompts[:2]]
+    expected.append(reference(engine, ids, 8))
+    body = {"prompt": prompts, "max_tokens": 8, "temperature": 0, "n": 2, "stream": stream}
+    if stream:
+        events = _sse_events(stack, "/v1/completions", body)
+        assert events[-1] == "[DONE]"
+        texts: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        for event in events[:-1]:
+            (choice,) = event["choices"]  # one choice per chunk
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if choice["finish_reason"]:
+                reasons[choice["index"]] = choice["finish_reason"]
+        assert sorted(reasons) == list(range(6))
+        got = [texts.get(i, "") for i in range(6)]
+    else:
+        r = _post(stack, "/v1/completions", json.dumps(body))
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert [c["index"] for c in answer["choices"]] == list(range(6))
+        got = [c["text"] for c in answer["choices"]]
+        prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts[:2]) + len(ids)
+        assert answer["usage"]["prompt_tokens"] == prompt_tokens
+    assert got == [text for text in expected for _ in range(2)]
+
+
+def test_a_batch_refuses_the_prompt_that_is_too_long(stack: dict[str, Any]) -> None:
+    r = _post(stack, "/v1/completions", json.dumps({"prompt": ["hi", [5] * MAX_MODEL_LEN], "n": 2}))
+    error = _error(r)
+    assert r.status_code == 400 and error["param"] == "prompt[1]"
+    assert error["code"] == "context_length_exceeded"
+
+
+def _generated_on_decode(stack: dict[str, Any]) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = stack["decode"].metrics_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "splitserve_generation_tokens_processed_total"
+    )
+
+
+def test_n_choices_hung_up_on_mid_stream_are_aborted(stack: dict[str, Any]) -> None:
+    initial = decode_load(stack).free_blocks
+    generated = _generated_on_decode(stack)
+    max_tokens = MAX_MODEL_LEN - 32
+    body = {"prompt": PROMPTS[1], "max_tokens": max_tokens, "n": 4, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.stream("POST", stack["base"] + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        seen: set[int] = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+            if len(seen) == 4:
+                break  # every choice is generating: hang up
+    assert_blocks_back(stack, initial)
+    # Aborted, not run to the end (each choice's first token comes from the prefill worker).
+    assert _generated_on_decode(stack) - generated < 4 * (max_tokens - 1)

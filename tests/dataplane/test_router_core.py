@@ -101,16 +101,21 @@ def test_completion_defaults_and_fields() -> None:
             "user": "u",
         }
     )
-    assert (req.prompt, req.max_tokens, req.temperature, req.stop, req.seed) == (
-        "hi",
+    assert (req.prompts, req.max_tokens, req.temperature, req.stop, req.seed) == (
+        ["hi"],
         5,
         0.0,
         ["x"],
         3,
     )
     assert req.stream and req.include_usage and req.priority == "interactive"
-    assert api.parse_completion({"prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
-    assert api.parse_completion({"prompt": ["one"]}).prompt == "one"
+    assert api.parse_completion({"prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
+    assert api.parse_completion({"prompt": ["one"]}).prompts == ["one"]
+    assert api.parse_completion({"prompt": [[1, 2]]}).prompts == [[1, 2]]
+    batch = api.parse_completion({"prompt": ["a", [7, 8]], "n": 2})
+    assert (batch.prompts, batch.n) == (["a", [7, 8]], 2)
+    assert [batch.prompt_label(i) for i in (0, 1)] == ["prompt[0]", "prompt[1]"]
+    assert api.parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 3}).n == 3
     assert api.parse_completion({"prompt": "x"}).max_tokens == 16
 
 
@@ -134,7 +139,9 @@ def test_priority_from_body_or_header() -> None:
         ({"prompt": "x", "temperature": 3}, "temperature", "invalid_value"),
         ({"prompt": "x", "temperature": True}, "temperature", "invalid_type"),
         ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
-        ({"prompt": "x", "n": 2}, "n", "unsupported_parameter"),
+        ({"prompt": "x", "n": 0}, "n", "invalid_value"),
+        ({"prompt": "x", "n": 1.5}, "n", "invalid_type"),
+        ({"prompt": "x", "n": 2, "best_of": 2}, "best_of", "unsupported_parameter"),
         ({"prompt": "x", "logprobs": 6}, "logprobs", "invalid_value"),
         ({"prompt": "x", "logprobs": True}, "logprobs", "invalid_type"),
         ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "unknown_parameter"),
@@ -147,7 +154,8 @@ def test_priority_from_body_or_header() -> None:
             "invalid_value",
         ),
         ({"prompt": 5}, "prompt", "invalid_type"),
-        ({"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
+        ({"prompt": ["a", 5]}, "prompt", "invalid_type"),
+        ({"prompt": ["a", "b", []]}, "prompt[2]", "invalid_type"),
         ({"prompt": ""}, "prompt", "invalid_value"),
         ({}, "prompt", "missing_required_parameter"),
         ({"prompt": "x", "priority": "now"}, "priority", "invalid_value"),

@@ -121,7 +121,7 @@ async def test_body_not_matching_its_content_encoding_is_a_400(client: TestClien
     error = (await r.json())["error"]
     assert error["code"] == "invalid_body" and error["type"] == "invalid_request_error"
     # A body that is gzip is still read (and here refused for its content, not its encoding).
-    body = gzip.compress(json.dumps({"prompt": "hi", "n": 2}).encode())
+    body = gzip.compress(json.dumps({"prompt": "hi", "n": 0}).encode())
     r = await client.post("/v1/completions", data=body, headers=headers)
     assert r.status == 400 and (await r.json())["error"]["param"] == "n"
 
@@ -144,7 +144,7 @@ def test_boolean_is_not_a_neutral_number(name: str, value: bool) -> None:
 
 def test_neutral_values_still_pass() -> None:
     body = {"prompt": "x", "n": 1, "best_of": 1.0, "presence_penalty": 0, "logprobs": None}
-    assert api.parse_completion(body).prompt == "x"
+    assert api.parse_completion(body).prompts == ["x"]
     chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": False, "n": 1}
     assert api.parse_chat(chat).messages
 

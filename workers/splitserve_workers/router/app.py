@@ -146,7 +146,7 @@ class Router:
         self.created = api.now()
         self.in_flight = 0
         self.draining = False
-        self.runs: set[_Run] = set()  # requests generating now (what the drain deadline cuts)
+        self.answers: set[_Answer] = set()  # requests generating now (the drain deadline cuts)
         # Prompts are tokenized (and chat templates rendered) here; two threads, so a burst of
         # long prompts queues instead of taking every core from the event loop.
         self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
@@ -273,17 +273,17 @@ class Router:
     def cut_in_flight(self) -> None:
         """The drain deadline: every request still generating is cancelled as if its client had
         hung up (which aborts it on the workers) and answered 503 `draining` instead."""
-        pending = [run for run in self.runs if run.cuttable]
+        pending = [answer for answer in self.answers if answer.cuttable]
         tokenizing = [task for task, why in self.tokenizing.items() if why is None]
-        if (pending and not any(run.cut_reason for run in pending)) or tokenizing:
+        if (pending and not any(answer.cut_reason for answer in pending)) or tokenizing:
             count = len(pending) + len(tokenizing)
             log.warning("drain timeout: %d requests still in flight are cut", count)
         why = (
             "the router is shutting down and its drain timeout "
             f"({self.options.drain_timeout:g}s) has passed"
         )
-        for run in pending:
-            run.cut(why)
+        for answer in pending:
+            answer.cut(why)
         for task in tokenizing:
             self.tokenizing[task] = why
             task.cancel()
@@ -329,8 +329,11 @@ class Router:
                 f"'logit_bias' token id {bad[0]} is out of the vocabulary (size {self.vocab_size})",
             )
 
-    def _prompt_ids(self, req: api.GenerationRequest) -> tuple[list[int], str]:
-        """Token ids and the prompt text (for echo)."""
+    def _prompt_ids(
+        self, req: api.GenerationRequest, i: int, prompt: str | list[int] | None
+    ) -> tuple[list[int], str]:
+        """Token ids and the prompt text (for echo) of chat's messages (prompt None) or of the
+        completion prompt `i`."""
         if req.kind == "chat":
             assert req.messages is not None
             try:
@@ -341,30 +344,36 @@ class Router:
                 raise api.invalid("messages", f"chat template rejected the messages: {e}") from e
             # The template writes its own BOS.
             return self.tokenizer.encode(text, add_special_tokens=False), text
-        if req.prompt_token_ids is not None:
+        if isinstance(prompt, list):
             if self.vocab_size is not None:
-                bad = [t for t in req.prompt_token_ids if t >= self.vocab_size]
+                bad = [t for t in prompt if t >= self.vocab_size]
                 if bad:
+                    label = req.prompt_label(i)
                     raise api.invalid(
-                        "prompt",
-                        f"'prompt' token id {bad[0]} is out of the vocabulary "
+                        label,
+                        f"'{label}' token id {bad[0]} is out of the vocabulary "
                         f"(size {self.vocab_size})",
                     )
-            return list(req.prompt_token_ids), self.tokenizer.decode(req.prompt_token_ids)
-        assert req.prompt is not None
-        return self.tokenizer.encode(req.prompt, add_special_tokens=True), req.prompt
+            return list(prompt), self.tokenizer.decode(prompt)
+        assert prompt is not None
+        return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
 
-    async def _tokenize(self, req: api.GenerationRequest) -> tuple[list[int], str]:
-        """_prompt_ids off the event loop: a prompt of megabytes takes seconds to tokenize, and
-        every other stream, /health and /ready would wait for it. Meanwhile the request is in
-        `tokenizing`, where the drain deadline finds it too (cut_in_flight)."""
+    def _all_prompt_ids(self, req: api.GenerationRequest) -> list[tuple[list[int], str]]:
+        if req.kind == "chat":
+            return [self._prompt_ids(req, 0, None)]
+        return [self._prompt_ids(req, i, p) for i, p in enumerate(req.prompts)]
+
+    async def _tokenize(self, req: api.GenerationRequest) -> list[tuple[list[int], str]]:
+        """_all_prompt_ids off the event loop: a prompt of megabytes takes seconds to tokenize,
+        and every other stream, /health and /ready would wait for it. Meanwhile the request is
+        in `tokenizing`, where the drain deadline finds it too (cut_in_flight)."""
         self._refuse_certainly_too_long(req)
         task = asyncio.current_task()
         assert task is not None
         self.tokenizing[task] = None
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self.tokenize_pool, self._prompt_ids, req
+                self.tokenize_pool, self._all_prompt_ids, req
             )
         except asyncio.CancelledError:
             why = self.tokenizing.get(task)
@@ -382,34 +391,35 @@ class Router:
         tokenizer threads spend seconds on it (and other requests queue behind it): no token
         covers more than the vocabulary's longest token's bytes, so a text of more bytes than
         that times the limit (times 4, for normalizers that shrink text) cannot fit."""
-        if req.prompt_token_ids is not None or not self.tokenizer.spells_every_byte:
+        if not self.tokenizer.spells_every_byte:
             return
         texts = (
-            [req.prompt or ""]
+            {req.prompt_label(i): p for i, p in enumerate(req.prompts) if isinstance(p, str)}
             if req.kind != "chat"
-            else [m.get("content", "") for m in req.messages or []]
+            else {"messages": "".join(m.get("content", "") for m in req.messages or [])}
         )
-        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
         limit = self.options.max_model_len
-        if size > 4 * limit * self.tokenizer.max_token_bytes:
-            raise api.APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"{req.prompt_param} is {size} bytes, more than {limit} tokens can hold. "
-                f"Please shorten the {req.prompt_param}.",
-                param=req.prompt_param,
-                code="context_length_exceeded",
-            )
+        for label, text in texts.items():
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > 4 * limit * self.tokenizer.max_token_bytes:
+                raise api.APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"{label} is {size} bytes, more than {limit} tokens can hold. "
+                    f"Please shorten the {label}.",
+                    param=label,
+                    code="context_length_exceeded",
+                )
 
-    def _check_length(self, req: api.GenerationRequest, n_prompt: int) -> int:
+    def _check_length(self, req: api.GenerationRequest, n_prompt: int, label: str) -> int:
         limit = self.options.max_model_len
         if n_prompt >= limit:
             raise api.APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your "
-                f"{req.prompt_param} has {n_prompt} tokens, leaving no room for the completion. "
-                f"Please shorten the {req.prompt_param}.",
-                param=req.prompt_param,
+                f"{label} has {n_prompt} tokens, leaving no room for the completion. "
+                f"Please shorten the {label}.",
+                param=label,
                 code="context_length_exceeded",
             )
         if req.max_tokens is None:
@@ -418,13 +428,39 @@ class Router:
             raise api.APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {req.prompt_param}, "
+                f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {label}, "
                 f"{req.max_tokens} for the completion). Please reduce the length of the "
-                f"{req.prompt_param} or {req.max_tokens_param}.",
+                f"{label} or {req.max_tokens_param}.",
                 param=req.max_tokens_param,
                 code="context_length_exceeded",
             )
         return req.max_tokens
+
+    def _sampling(
+        self, req: api.GenerationRequest, max_tokens: int, copy: int
+    ) -> serving_pb2.SamplingParams:
+        sampling = serving_pb2.SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=max_tokens,
+            stop_token_ids=req.stop_token_ids,
+            stop=req.stop,
+            ignore_eos=req.ignore_eos,
+            logprobs=1 if req.logprobs else 0,
+            top_logprobs=req.top_logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=req.logit_bias,
+        )
+        if req.prompt_logprobs:
+            sampling.prompt_logprobs = req.top_logprobs
+        if req.seed is not None:
+            # n copies of one prompt with one seed would all sample the same tokens; as vLLM,
+            # copy j samples with seed + j, so the answer is reproducible and its choices differ.
+            sampling.seed = (req.seed + copy + 2**63) % 2**64 - 2**63  # stays an int64
+        return sampling
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         arrival = time.monotonic()
@@ -442,51 +478,45 @@ class Router:
             if req.model:
                 self._check_model(req.model)
             self._check_logit_bias(req)
-            prompt_ids, prompt_text = await self._tokenize(req)
-            max_tokens = self._check_length(req, len(prompt_ids))
+            prompts = await self._tokenize(req)
+            limits = [
+                self._check_length(req, len(ids), req.prompt_label(i))
+                for i, (ids, _text) in enumerate(prompts)
+            ]
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-            sampling = serving_pb2.SamplingParams(
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                max_tokens=max_tokens,
-                stop_token_ids=req.stop_token_ids,
-                stop=req.stop,
-                ignore_eos=req.ignore_eos,
-                logprobs=1 if req.logprobs else 0,
-                top_logprobs=req.top_logprobs,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
-                logit_bias=req.logit_bias,
-            )
-            if req.prompt_logprobs:
-                sampling.prompt_logprobs = req.top_logprobs
-            if req.seed is not None:
-                sampling.seed = req.seed
-            flow = Flow(
-                FlowRequest(
-                    rid,
-                    prompt_ids,
-                    sampling,
-                    _PRIORITY[req.priority],
-                    [] if req.ignore_eos else self.eos_token_ids,
-                    max_tokens_explicit=req.max_tokens is not None,
-                    max_tokens_param=req.max_tokens_param,
-                ),
-                self.options.flow,
-                prefill=self.pools.get("prefill"),
-                decode=self.pools.get("decode"),
-                colocated=self.pools.get("colocated"),
-            )
-            run = _Run(self, req, flow, rid, prompt_ids, prompt_text, arrival)
-            self.runs.add(run)
+            runs = []
+            for i, ((prompt_ids, prompt_text), max_tokens) in enumerate(
+                zip(prompts, limits, strict=True)
+            ):
+                for copy in range(req.n):
+                    index = i * req.n + copy  # OpenAI's order: a prompt's n choices together
+                    # The workers know each choice as a request of its own.
+                    worker_rid = rid if len(prompts) * req.n == 1 else f"{rid}-{index}"
+                    flow = Flow(
+                        FlowRequest(
+                            worker_rid,
+                            prompt_ids,
+                            self._sampling(req, max_tokens, copy),
+                            _PRIORITY[req.priority],
+                            [] if req.ignore_eos else self.eos_token_ids,
+                            max_tokens_explicit=req.max_tokens is not None,
+                            max_tokens_param=req.max_tokens_param,
+                        ),
+                        self.options.flow,
+                        prefill=self.pools.get("prefill"),
+                        decode=self.pools.get("decode"),
+                        colocated=self.pools.get("colocated"),
+                    )
+                    runs.append(_Run(self, req, flow, index, prompt_ids, prompt_text, arrival))
+            answer = _Answer(self, req, rid, runs)
+            self.answers.add(answer)
             try:
-                return await (run.stream(request) if req.stream else run.complete())
+                return await (answer.stream(request) if req.stream else answer.complete())
             finally:
-                self.runs.discard(run)
-                status = run.status
-                run.record()
+                self.answers.discard(answer)
+                status = answer.status
+                for run in runs:
+                    run.record(answer.status)
         except FlowError as e:
             status = "rejected" if e.status < 500 or e.code == "no_capacity" else "error"
             raise api.APIError(e.status, e.message, param=e.param, code=e.code) from e
@@ -499,16 +529,19 @@ class Router:
             self.metrics.requests.labels(**self.labels, status=status).inc()
 
 
+Chunk = tuple[str, str | None, list[api.TokenLogprob]]  # text delta, finish reason, logprobs
+
+
 class _Run:
-    """One generation request at the edge: consumes the flow, detokenizes, writes the answer,
-    and keeps the timestamps the edge metrics come from."""
+    """One choice of a request: consumes its flow, detokenizes, and keeps the timestamps the
+    edge metrics come from."""
 
     def __init__(
         self,
         router: Router,
         req: api.GenerationRequest,
         flow: Flow,
-        rid: str,
+        index: int,
         prompt_ids: list[int],
         prompt_text: str,
         arrival: float,
@@ -516,53 +549,20 @@ class _Run:
         self.router = router
         self.req = req
         self.flow = flow
-        self.rid = rid
+        self.index = index
         self.prompt_ids = prompt_ids
         self.prompt_text = prompt_text
         self.arrival = arrival
-        self.created = api.now()
-        self.model = router.options.model_name
         self.detok = IncrementalDetokenizer(
             router.tokenizer, req.stop, [] if req.ignore_eos else router.eos_token_ids, prompt_ids
         )
         self.token_times: list[tuple[float, int]] = []  # (arrival at router, tokens in event)
         self.num_tokens = 0
         self.finish_reason: str | None = None
-        self.status = "abort"  # until proven otherwise: a cancelled run is an abort
-        self.task = asyncio.current_task()
-        self.cut_reason: str | None = None
-        self.cut_seen = False  # the cut became this request's answer
+        self.first = True  # no chunk of this choice has gone out yet
+        self.sent = b""  # bytes of the tokens whose logprobs went out (for text_offset)
 
-    @property
-    def cuttable(self) -> bool:
-        """Still generating and not yet answering a cut (a cancel can be swallowed, e.g. by a
-        wait_for finishing at the same moment: cutting again is how it lands)."""
-        return not self.cut_seen and self.task is not None and not self.task.done()
-
-    def cut(self, why: str) -> None:
-        """Ends the request now: its handler is cancelled (the client-disconnect path, which
-        aborts the request on the workers), and the cancellation becomes a 503 `draining` answer
-        in `_cut_is_an_error`."""
-        self.cut_reason = why
-        if self.task is not None:
-            self.task.cancel()
-
-    @contextlib.contextmanager
-    def _cut_is_an_error(self) -> Iterator[None]:
-        try:
-            yield
-        except asyncio.CancelledError:
-            if self.cut_reason is None or self.task is None:
-                raise
-            self.cut_seen = True
-            self.task.uncancel()  # answered, not cancelled: the handler goes on to write it
-            raise FlowError(
-                503,
-                f"{self.cut_reason}; the request was cut after {self.num_tokens} tokens",
-                code="draining",
-            ) from None
-
-    async def _chunks(self) -> AsyncIterator[tuple[str, str | None, list[api.TokenLogprob]]]:
+    async def chunks(self) -> AsyncIterator[Chunk]:
         """(text delta, finish_reason or None, the event's tokens' logprobs if asked) per worker
         event; the last has a reason."""
         tokens = self.flow.tokens()
@@ -611,13 +611,12 @@ class _Run:
             entries.append(api.TokenLogprob(text, raw, logprob, alternatives))
         return entries
 
-    def _logprobs_object(
-        self, entries: list[api.TokenLogprob], before: bytes
-    ) -> dict[str, Any] | None:
-        """choices[].logprobs for these tokens (None unless asked); `before`: the bytes of the
-        tokens before them (for legacy completions' text_offset)."""
+    def logprobs_object(self, entries: list[api.TokenLogprob]) -> dict[str, Any] | None:
+        """choices[].logprobs for these tokens (None unless asked), and their bytes counted as
+        sent (legacy completions' text_offset counts from the choice's start)."""
         if not self.req.logprobs:
             return None
+        before, self.sent = self.sent, self.sent + b"".join(e.raw for e in entries)
         if self.req.kind == "chat":
             return api.chat_logprobs(entries)
         return api.completion_logprobs(entries, before)
@@ -627,45 +626,184 @@ class _Run:
             self.token_times.append((time.monotonic(), len(chunk.token_ids)))
             self.num_tokens += len(chunk.token_ids)
 
+    def record(self, status: str) -> None:
+        """Edge metrics for this choice, given its request's outcome."""
+        m = self.router.metrics
+        labels = self.router.labels
+        m.prompt_tokens.labels(**labels).inc(len(self.prompt_ids))
+        if self.num_tokens:
+            m.generation_tokens.labels(**labels).inc(self.num_tokens)
+        stats = self.flow.stats
+        if stats.decode_admission_seconds is not None:
+            m.decode_admission.labels(**labels).observe(stats.decode_admission_seconds)
+        if stats.prefill_queue_seconds is not None:
+            m.prefill_queue.labels(**labels).observe(stats.prefill_queue_seconds)
+        if stats.prefill_compute_seconds is not None:
+            m.prefill_compute.labels(**labels).observe(stats.prefill_compute_seconds)
+        if stats.kv_transfer_seconds is not None:
+            m.kv_transfer.labels(**labels).observe(stats.kv_transfer_seconds)
+            m.kv_transfer_bytes.labels(**labels).inc(stats.kv_transfer_bytes)
+        if not self.token_times:
+            return
+        first_time = self.token_times[0][0]
+        m.ttft.labels(**labels).observe(first_time - self.arrival)
+        prev = first_time
+        for t, n in self.token_times[1:]:
+            # An event carrying several tokens spreads its gap over them.
+            for _ in range(n):
+                m.itl.labels(**labels).observe((t - prev) / n)
+            prev = t
+        if status == "ok":
+            last_time = self.token_times[-1][0]
+            m.e2e.labels(**labels).observe(last_time - self.arrival)
+            if self.num_tokens > 1:
+                m.tpot.labels(**labels).observe((last_time - first_time) / (self.num_tokens - 1))
+
+
+class _Answer:
+    """One generation request at the edge: runs its choices (one, or `n` per prompt, at once),
+    and writes the answer, whole or as SSE chunks."""
+
+    def __init__(
+        self, router: Router, req: api.GenerationRequest, rid: str, runs: list[_Run]
+    ) -> None:
+        self.router = router
+        self.req = req
+        self.rid = rid
+        self.runs = runs
+        self.created = api.now()
+        self.model = router.options.model_name
+        self.status = "abort"  # until proven otherwise: a cancelled request is an abort
+        self.task = asyncio.current_task()
+        self.cut_reason: str | None = None
+        self.cut_seen = False  # the cut became this request's answer
+
+    @property
+    def cuttable(self) -> bool:
+        """Still generating and not yet answering a cut (a cancel can be swallowed, e.g. by a
+        wait_for finishing at the same moment: cutting again is how it lands)."""
+        return not self.cut_seen and self.task is not None and not self.task.done()
+
+    def cut(self, why: str) -> None:
+        """Ends the request now: its handler is cancelled (the client-disconnect path, which
+        aborts the request on the workers), and the cancellation becomes a 503 `draining` answer
+        in `_cut_is_an_error`."""
+        self.cut_reason = why
+        if self.task is not None:
+            self.task.cancel()
+
+    @contextlib.contextmanager
+    def _cut_is_an_error(self) -> Iterator[None]:
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self.cut_reason is None or self.task is None:
+                raise
+            self.cut_seen = True
+            self.task.uncancel()  # answered, not cancelled: the handler goes on to write it
+            tokens = sum(run.num_tokens for run in self.runs)
+            raise FlowError(
+                503,
+                f"{self.cut_reason}; the request was cut after {tokens} tokens",
+                code="draining",
+            ) from None
+
+    async def _chunks(self) -> AsyncIterator[tuple[_Run, Chunk]]:
+        """Every choice's chunks as they come, until each has its finish reason. The first
+        error of any choice ends them all (closing a choice's chunks aborts it on the workers)."""
+        if len(self.runs) == 1:
+            run = self.runs[0]
+            chunks = run.chunks()
+            try:
+                async for item in chunks:
+                    yield run, item
+            finally:
+                await chunks.aclose()  # type: ignore[attr-defined]
+            return
+        # Bounded: a slow client slows the choices down instead of piling their tokens up.
+        queue: asyncio.Queue[tuple[_Run, Chunk | None, Exception | None]] = asyncio.Queue(
+            maxsize=2 * len(self.runs)
+        )
+
+        async def pump(run: _Run) -> None:
+            try:
+                async for item in run.chunks():
+                    await queue.put((run, item, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put((run, None, e))
+                return
+            await queue.put((run, None, None))
+
+        tasks = [asyncio.create_task(pump(run)) for run in self.runs]
+        try:
+            running = len(tasks)
+            while running:
+                run, chunk, error = await queue.get()
+                if error is not None:
+                    raise error
+                if chunk is None:
+                    running -= 1
+                else:
+                    yield run, chunk
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     def usage(self) -> dict[str, Any]:
-        return api.usage(len(self.prompt_ids), self.num_tokens, self.flow.stats.num_cached_tokens)
+        """A prompt's tokens count once however many choices it has (as OpenAI's); cached: of
+        those, the ones every copy found in the prefix cache."""
+        per_prompt: dict[int, tuple[int, int]] = {}
+        for run in self.runs:
+            prompt = run.index // self.req.n
+            cached = run.flow.stats.num_cached_tokens
+            if prompt in per_prompt:
+                cached = min(cached, per_prompt[prompt][1])
+            per_prompt[prompt] = (len(run.prompt_ids), cached)
+        return api.usage(
+            sum(n for n, _ in per_prompt.values()),
+            sum(run.num_tokens for run in self.runs),
+            sum(c for _, c in per_prompt.values()),
+        )
 
     async def complete(self) -> web.Response:
-        parts: list[str] = [self.prompt_text] if self.req.echo else []
-        entries: list[api.TokenLogprob] = []
+        parts: dict[int, list[str]] = {
+            run.index: [run.prompt_text] if self.req.echo else [] for run in self.runs
+        }
+        entries: dict[int, list[api.TokenLogprob]] = {run.index: [] for run in self.runs}
         with self._cut_is_an_error():
-            async for text, _reason, chunk_entries in self._chunks():
-                parts.append(text)
-                entries += chunk_entries
+            async for run, (text, _reason, chunk_entries) in self._chunks():
+                parts[run.index].append(text)
+                entries[run.index] += chunk_entries
         self.status = "ok"
-        text = "".join(parts)
-        build = api.chat_response if self.req.kind == "chat" else api.completion_response
+        choice = api.chat_choice if self.req.kind == "chat" else api.completion_choice
+        choices = [
+            choice(
+                run.index,
+                "".join(parts[run.index]),
+                run.finish_reason,
+                run.logprobs_object(entries[run.index]),
+            )
+            for run in self.runs
+        ]
         return web.json_response(
-            build(
-                self.rid,
-                self.model,
-                self.created,
-                text,
-                self.finish_reason,
-                self.usage(),
-                self._logprobs_object(entries, b""),
+            api.response(
+                self.req.kind, self.rid, self.model, self.created, choices, self.usage(), False
             )
         )
 
-    def _chunk(
-        self,
-        text: str,
-        reason: str | None,
-        first: bool = False,
-        logprobs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    def _chunk(self, run: _Run, text: str, reason: str | None, logprobs: Any) -> dict[str, Any]:
         if self.req.kind == "chat":
             delta: dict[str, Any] = {"content": text} if text or not reason else {}
-            if first:
+            if run.first:
                 delta = {"role": "assistant", "content": text}
-            chunk = api.chat_chunk(self.rid, self.model, self.created, delta, reason, logprobs)
+            choice = api.chat_delta_choice(run.index, delta, reason, logprobs)
         else:
-            chunk = api.completion_chunk(self.rid, self.model, self.created, text, reason, logprobs)
+            choice = api.completion_choice(run.index, text, reason, logprobs)
+        run.first = False
+        chunk = api.response(
+            self.req.kind, self.rid, self.model, self.created, [choice], None, chunk=True
+        )
         if self.req.include_usage:
             # OpenAI: every chunk before the usage chunk carries `usage: null`; with
             # continuous_usage_stats, the totals so far.
@@ -689,26 +827,20 @@ class _Run:
             )
             await response.prepare(request)
             pending = [first] if first is not None else []
-            is_first = True
-            sent = b""  # bytes of the tokens whose logprobs went out (for text_offset)
             try:
                 with self._cut_is_an_error():
                     while True:
                         if pending:
-                            text, reason, entries = pending.pop()
+                            run, (text, reason, entries) = pending.pop()
                         else:
                             item = await anext(chunks, None)
                             if item is None:
                                 break
-                            text, reason, entries = item
-                        if is_first and self.req.echo:
-                            text = self.prompt_text + text
-                        logprobs = self._logprobs_object(entries, sent)
-                        sent += b"".join(e.raw for e in entries)
-                        await response.write(api.sse(self._chunk(text, reason, is_first, logprobs)))
-                        is_first = False
-                        if reason:
-                            break
+                            run, (text, reason, entries) = item
+                        if run.first and self.req.echo:
+                            text = run.prompt_text + text
+                        logprobs = run.logprobs_object(entries)
+                        await response.write(api.sse(self._chunk(run, text, reason, logprobs)))
             except FlowError as e:
                 # Tokens already went out: the status line is sent, so the error is an event
                 # (a dead decode worker, or the router's drain deadline).
@@ -742,39 +874,6 @@ class _Run:
             raise
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
-
-    def record(self) -> None:
-        """Edge metrics for this request (whatever its outcome)."""
-        m = self.router.metrics
-        labels = self.router.labels
-        m.prompt_tokens.labels(**labels).inc(len(self.prompt_ids))
-        if self.num_tokens:
-            m.generation_tokens.labels(**labels).inc(self.num_tokens)
-        stats = self.flow.stats
-        if stats.decode_admission_seconds is not None:
-            m.decode_admission.labels(**labels).observe(stats.decode_admission_seconds)
-        if stats.prefill_queue_seconds is not None:
-            m.prefill_queue.labels(**labels).observe(stats.prefill_queue_seconds)
-        if stats.prefill_compute_seconds is not None:
-            m.prefill_compute.labels(**labels).observe(stats.prefill_compute_seconds)
-        if stats.kv_transfer_seconds is not None:
-            m.kv_transfer.labels(**labels).observe(stats.kv_transfer_seconds)
-            m.kv_transfer_bytes.labels(**labels).inc(stats.kv_transfer_bytes)
-        if not self.token_times:
-            return
-        first_time = self.token_times[0][0]
-        m.ttft.labels(**labels).observe(first_time - self.arrival)
-        prev = first_time
-        for t, n in self.token_times[1:]:
-            # An event carrying several tokens spreads its gap over them.
-            for _ in range(n):
-                m.itl.labels(**labels).observe((t - prev) / n)
-            prev = t
-        if self.status == "ok":
-            last_time = self.token_times[-1][0]
-            m.e2e.labels(**labels).observe(last_time - self.arrival)
-            if self.num_tokens > 1:
-                m.tpot.labels(**labels).observe((last_time - first_time) / (self.num_tokens - 1))
 
 
 # ---- the `splitserve router` command --------------------------------------------------------
@@ -1057,7 +1156,7 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None
     linger_end = time.monotonic() + DRAIN_LINGER_S
     while time.monotonic() < linger_end or (router.in_flight and time.monotonic() < deadline):
         await asyncio.sleep(0.05)
-        router.cut_in_flight()  # again, for a cut that did not land (see _Run.cuttable)
+        router.cut_in_flight()  # again, for a cut that did not land (see _Answer.cuttable)
     await runner.cleanup()
 
 

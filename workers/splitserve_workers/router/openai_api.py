@@ -24,6 +24,10 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Choices in one request: `n` per prompt, times the prompts of a completions batch. Each is a
+# generation of its own on the workers (prefix caching makes the copies' prefill cheap), so a
+# bound keeps one request from filling a decode pool's batch.
+MAX_CHOICES = 64
 
 
 class APIError(Exception):
@@ -68,8 +72,8 @@ class GenerationRequest:
 
     kind: str  # "completion" | "chat"
     model: str
-    prompt: str | None = None  # completion text prompt
-    prompt_token_ids: list[int] | None = None  # completion prompt given as token ids
+    # Completions: the prompts, each a text or token ids (several: a batch); chat: empty.
+    prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None  # chat messages (content flattened to text)
     max_tokens: int | None = None  # None: until the context limit (chat) / 16 (completion)
     max_tokens_param: str = "max_tokens"  # the field the client set it with, for errors
@@ -92,10 +96,15 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension (transformers' semantics); 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)
+    n: int = 1  # choices per prompt
 
     @property
     def prompt_param(self) -> str:
         return "messages" if self.kind == "chat" else "prompt"
+
+    def prompt_label(self, i: int) -> str:
+        """The field that holds prompt i: `prompt[i]` in a batch, else the prompt's field."""
+        return f"prompt[{i}]" if len(self.prompts) > 1 else self.prompt_param
 
 
 # ---- field validators ----------------------------------------------------------------------
@@ -216,7 +225,6 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
 # Parameters OpenAI defines that the router accepts only at their neutral value: a request that
 # asks for the feature gets a 400 naming it instead of being silently served without it.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -266,6 +274,7 @@ _COMMON = {
     "priority",
     "ignore_eos",
     "stop_token_ids",
+    "n",
     *_NEUTRAL,
     *_IGNORED,
 }
@@ -435,28 +444,46 @@ def _begin(
     return req, body[required]
 
 
-def parse_completion(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
-    req, prompt = _begin(body, "completion", COMPLETION_PARAMS, "prompt", header_priority)
-    # OpenAI accepts a batch as a list; the router serves one prompt per request (n=1).
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _one_prompt(param: str, prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         if prompt == "":
-            raise invalid("prompt", "'prompt' must not be empty")
-        req.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            raise invalid(param, f"'{param}' must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if any(t < 0 for t in prompt):
-            raise invalid("prompt", "'prompt' token ids must be non-negative")
-        req.prompt_token_ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise APIError(
-            400,
-            "'prompt' as a batch of several prompts is not supported; send one prompt per request",
-            param="prompt",
-            code="unsupported_parameter",
+            raise invalid(param, f"'{param}' token ids must be non-negative")
+        return list(prompt)
+    raise _wrong_type(param, "a string or an array of token ids", prompt)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's `prompt`: a string, token ids, or a batch of either (an array of strings or of
+    token-id arrays)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise invalid(
+                "prompt", f"'prompt' accepts at most {MAX_CHOICES} prompts, got {len(prompt)}"
+            )
+        param = "prompt" if len(prompt) == 1 else "prompt[{}]"
+        return [_one_prompt(param.format(i), p) for i, p in enumerate(prompt)]
+    return [_one_prompt("prompt", prompt)]
+
+
+def _n(body: dict[str, Any], prompts: int) -> int:
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
+    if n * prompts > MAX_CHOICES:
+        raise invalid(
+            "n",
+            f"'n' times the number of prompts must be at most {MAX_CHOICES}, "
+            f"got {n} x {prompts} = {n * prompts}",
         )
-    else:
-        raise _wrong_type("prompt", "a string or an array of token ids", prompt)
+    return n
+
+
+def parse_completion(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
+    req, prompt = _begin(body, "completion", COMPLETION_PARAMS, "prompt", header_priority)
+    req.prompts = _prompts(prompt)
+    req.n = _n(body, len(req.prompts))
     req.max_tokens = _int(body, "max_tokens", 1)
     if req.max_tokens is None:
         req.max_tokens = 16  # OpenAI's documented default for completions
@@ -517,6 +544,7 @@ def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> Gene
     if not messages:
         raise invalid("messages", "'messages' must not be empty")
     req.messages = [_message_text(i, m) for i, m in enumerate(messages)]
+    req.n = _n(body, 1)
     # Both are validated; the newer max_completion_tokens wins when both are given.
     max_completion_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1)
@@ -546,81 +574,51 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return out
 
 
-def completion_response(
-    rid: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    use: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    # The whole answer has the shape of one chunk, plus usage.
-    return {**completion_chunk(rid, model, created, text, finish_reason, logprobs), "usage": use}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk(
-    rid: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
     }
 
 
-def chat_response(
-    rid: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    use: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": use,
-    }
-
-
-def chat_chunk(
-    rid: str,
-    model: str,
-    created: int,
+def chat_delta_choice(
+    index: int,
     delta: dict[str, Any],
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-    }
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def response(
+    kind: str,
+    rid: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    use: dict[str, Any] | None,
+    chunk: bool,
+) -> dict[str, Any]:
+    """A whole answer (chunk=False, with usage) or one SSE chunk of /v1/completions (`kind`
+    "completion") or /v1/chat/completions ("chat")."""
+    if kind == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"  # the legacy API names its chunks the same
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if not chunk:
+        out["usage"] = use
+    return out
 
 
 @dataclass
@@ -677,15 +675,7 @@ def completion_logprobs(entries: list[TokenLogprob], before: bytes = b"") -> dic
 def usage_chunk(
     rid: str, model: str, created: int, kind: str, use: dict[str, Any]
 ) -> dict[str, Any]:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": use,
-    }
+    return {**response(kind, rid, model, created, [], None, chunk=True), "usage": use}
 
 
 def model_object(model: str, created: int, max_model_len: int) -> dict[str, Any]:
