@@ -116,3 +116,35 @@ def test_new_conversations_arriving_together_spread(
     after = [cache_queries(p) for p in pools["prefill"]]
     got = [a - b for a, b in zip(after, before, strict=True)]
     assert all(g > 0 for g in got), got  # both workers took some
+
+
+def prefix_hits(worker: Any) -> float:
+    text = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=30).text
+    m = re.search(r"^splitserve_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
+    return float(m[1]) if m else 0.0
+
+
+def test_the_copies_of_a_prompt_reuse_its_first_prefill(
+    pools: dict[str, Any], launch_worker: Any, tiny_model: Path
+) -> None:
+    """n choices: the first copy's prefill computes the prompt, and the other copies, started
+    once its first token is back, go to the same worker and find the prompt's blocks cached
+    (started together, the pick spreads them over both workers, each computing it all)."""
+    base = start_router(pools, launch_worker, tiny_model, "router-n")  # the default policy
+    queries = [cache_queries(p) for p in pools["prefill"]]
+    hits = [prefix_hits(p) for p in pools["prefill"]]
+    prompt = [7 + (53 * i) % 380 for i in range(6 * BLOCK + 5)]  # 6 whole blocks
+    body = {"prompt": prompt, "n": 4, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert len({c["text"] for c in answer["choices"]}) == 1  # greedy: equal copies
+    # The prompt counts once, and its one real prefill found nothing cached.
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    assert "prompt_tokens_details" not in answer["usage"]
+    looked_up = [cache_queries(p) - q for p, q in zip(pools["prefill"], queries, strict=True)]
+    found = [prefix_hits(p) - h for p, h in zip(pools["prefill"], hits, strict=True)]
+    # All four prefills on one worker (6 blocks looked up each), three of them cache hits.
+    assert sorted(looked_up) == [0, 4 * 6], looked_up
+    assert sorted(found) == [0, 3 * 6], found

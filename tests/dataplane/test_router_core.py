@@ -280,13 +280,13 @@ def test_cache_aware_counts_the_tokens_left_to_compute() -> None:
 def test_a_computed_prompt_stops_counting_as_queued() -> None:
     load = WorkerLoad("a:1", healthy=True)
     load.pending_tokens, load.pending_requests = 100, 1  # sent since the last report
-    _prefilled(load, load.reports, 100, 1)
+    _prefilled(load, load.reports, 100, 100, 1)
     assert (load.pending_tokens, load.pending_requests) == (0, 0)
     load.pending_tokens = 50
     sent = load.reports
     # A report landed while it was computed, counting it as queued (and dropping the delta).
     load.reports, load.queued_tokens, load.pending_tokens = load.reports + 1, 80, 0
-    _prefilled(load, sent, 50)
+    _prefilled(load, sent, 50, 50)
     assert (load.queued_tokens, load.pending_tokens) == (30, 0)
 
 
@@ -677,7 +677,7 @@ def test_a_cache_hit_comes_off_a_report_uncached_only() -> None:
     load.pending_tokens = 8200
     # A report counts the admitted prompt's 8 uncached tokens and 4000 of a request behind it.
     load.reports, load.queued_tokens, load.pending_tokens = load.reports + 1, 4008, 0
-    _prefilled(load, sent, 8200, 1, cached=8192)
+    _prefilled(load, sent, 8200, 8200 - 8192, 1)
     assert load.effective_queued_tokens() == 4000
 
 
@@ -723,3 +723,20 @@ def test_a_claimed_worker_looks_busier_to_the_next_pick() -> None:
     second.load.pending_tokens = second.load.pending_requests = 0  # what a report does
     _unclaim(second.load, 64, claimed_at)
     assert (second.load.pending_tokens, second.load.pending_requests) == (0, 0)
+
+
+def test_a_copy_of_a_cached_prompt_claims_only_its_uncached_tail() -> None:
+    # n copies of one prompt: the first was sent to a; each further copy finds it cached
+    # there and queues only the tail, so all of them stay with a instead of the last ones
+    # going to b, which would compute the whole prompt again.
+    pool = fake_pool("prefill", {"a:1": (64, 64), "b:1": (64, 64)})
+    pool.policy = "cache_aware"
+    key = pool.prompt_key(list(range(10, 111)))  # 101 tokens: 6 whole blocks and 5
+    a = pool.workers["a:1"]
+    pool.sent(a, key)
+    assert pool.likely_cached(a, key) == 96 and pool.likely_cached(pool.workers["b:1"], key) == 0
+    for _ in range(3):
+        copy = pool.pick(prompt=key)
+        assert copy is a
+        _claim(copy.load, key.tokens - pool.likely_cached(copy, key))
+    assert a.load.pending_tokens == 3 * 5

@@ -710,7 +710,11 @@ class _Answer:
 
     async def _chunks(self) -> AsyncIterator[tuple[_Run, Chunk]]:
         """Every choice's chunks as they come, until each has its finish reason. The first
-        error of any choice ends them all (closing a choice's chunks aborts it on the workers)."""
+        error of any choice ends them all (closing a choice's chunks aborts it on the workers).
+
+        A prompt's first copy starts at once, its other copies when its first token is back:
+        by then its prefill worker holds the prompt in its prefix cache, and cache-aware
+        routing sends them there, so the prompt is computed once, not n times."""
         if len(self.runs) == 1:
             run = self.runs[0]
             chunks = run.chunks()
@@ -724,19 +728,30 @@ class _Answer:
         queue: asyncio.Queue[tuple[_Run, Chunk | None, Exception | None]] = asyncio.Queue(
             maxsize=2 * len(self.runs)
         )
+        tasks: list[asyncio.Task[None]] = []
 
-        async def pump(run: _Run) -> None:
+        def start(run: _Run, copies: list[_Run]) -> None:
+            tasks.append(asyncio.create_task(pump(run, copies)))
+
+        async def pump(run: _Run, copies: list[_Run]) -> None:
             try:
                 async for item in run.chunks():
+                    for copy in copies:
+                        start(copy, [])
+                    copies = []
                     await queue.put((run, item, None))
             except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
                 await queue.put((run, None, e))
                 return
+            for copy in copies:  # (a flow ends with a token, but the count must not hang)
+                start(copy, [])
             await queue.put((run, None, None))
 
-        tasks = [asyncio.create_task(pump(run)) for run in self.runs]
+        n = self.req.n
+        for first in range(0, len(self.runs), n):
+            start(self.runs[first], self.runs[first + 1 : first + n])
         try:
-            running = len(tasks)
+            running = len(self.runs)
             while running:
                 run, chunk, error = await queue.get()
                 if error is not None:
@@ -751,19 +766,13 @@ class _Answer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def usage(self) -> dict[str, Any]:
-        """A prompt's tokens count once however many choices it has (as OpenAI's); cached: of
-        those, the ones every copy found in the prefix cache."""
-        per_prompt: dict[int, tuple[int, int]] = {}
-        for run in self.runs:
-            prompt = run.index // self.req.n
-            cached = run.flow.stats.num_cached_tokens
-            if prompt in per_prompt:
-                cached = min(cached, per_prompt[prompt][1])
-            per_prompt[prompt] = (len(run.prompt_ids), cached)
+        """A prompt's tokens count once however many choices it has (as OpenAI's): its first
+        copy's prefill, whose cached tokens are the prompt's `cached_tokens`."""
+        firsts = self.runs[:: self.req.n]
         return api.usage(
-            sum(n for n, _ in per_prompt.values()),
+            sum(len(run.prompt_ids) for run in firsts),
             sum(run.num_tokens for run in self.runs),
-            sum(c for _, c in per_prompt.values()),
+            sum(run.flow.stats.num_cached_tokens for run in firsts),
         )
 
     async def complete(self) -> web.Response:

@@ -133,25 +133,27 @@ _background: set[asyncio.Task[Any]] = set()
 
 
 def _prefilled(
-    load: WorkerLoad, sent_at_report: int, tokens: int, requests: int = 0, cached: int = 0
+    load: WorkerLoad, sent_at_report: int, claimed: int, uncached: int, requests: int = 0
 ) -> None:
     """A prompt this router sent to the worker has been computed: it is no longer queued there,
-    whether it was still a router-side delta or a report taken since counted it. (Left counted
-    until the next poll, a worker that just served a burst looked busy for up to a poll
-    interval after, and cache_aware routing sent a conversation's next turn away from the
-    worker that caches it.) A report counts an admitted prompt without its cached prefix
-    (num_tokens - num_computed_tokens): only the uncached part comes off it, or the tokens of
+    whether it was still a router-side delta (`claimed` tokens) or a report taken since counted
+    it. (Left counted until the next poll, a worker that just served a burst looked busy for up
+    to a poll interval after, and cache_aware routing sent a conversation's next turn away from
+    the worker that caches it.) A report counts an admitted prompt without its cached prefix
+    (num_tokens - num_computed_tokens): only that `uncached` part comes off it, or the tokens of
     requests queued behind this one would vanish too."""
     if load.reports == sent_at_report:
-        load.pending_tokens = max(0, load.pending_tokens - tokens)
+        load.pending_tokens = max(0, load.pending_tokens - claimed)
         load.pending_requests = max(0, load.pending_requests - requests)
     else:
-        load.queued_tokens = max(0, load.queued_tokens - max(0, tokens - cached))
+        load.queued_tokens = max(0, load.queued_tokens - max(0, uncached))
 
 
 def _claim(load: WorkerLoad, tokens: int) -> int:
-    """Counts a prompt as queued on the worker until its report does; returns the report
-    count it was claimed at."""
+    """Counts a prompt's tokens to compute (those the worker likely does not cache) as queued
+    on the worker until its report does; returns the report count it was claimed at. (Counting
+    the whole prompt, n copies of one prompt started together looked like n whole prompts
+    queued where the first is cached, and the last copies went to another worker.)"""
     load.pending_tokens += tokens
     load.pending_requests += 1
     return load.reports
@@ -440,11 +442,12 @@ class Flow:
                 # Claimed now, before the reservation's await: requests arriving together all
                 # pick before any reservation returns, and unclaimed they all picked the same
                 # idle worker (a burst of new conversations then shared one prefill worker).
-                claimed_at = _claim(prefill.load, key.tokens)
+                claimed = key.tokens - self.prefill.likely_cached(prefill, key)
+                claimed_at = _claim(prefill.load, claimed)
                 try:
                     decode = await self._reserve(worker_rid, prefill.model)
                 except BaseException:
-                    _unclaim(prefill.load, key.tokens, claimed_at)
+                    _unclaim(prefill.load, claimed, claimed_at)
                     raise
                 if not prefill.load.healthy or prefill.load.draining:
                     # Waiting for decode blocks can take up to the admission timeout; the
@@ -453,13 +456,14 @@ class Flow:
                     # against) takes its place instead of wasting an attempt.
                     other = self.prefill.pick(failed_prefill, key)
                     if other is not None and other.model == prefill.model:
-                        _unclaim(prefill.load, key.tokens, claimed_at)
+                        _unclaim(prefill.load, claimed, claimed_at)
                         prefill = other
-                        claimed_at = _claim(prefill.load, key.tokens)
+                        claimed = key.tokens - self.prefill.likely_cached(prefill, key)
+                        claimed_at = _claim(prefill.load, claimed)
                 if prefill.load.reports != claimed_at:
                     # A Load report landed while the reservation waited: it was taken before
                     # this prompt was sent and reset the router's deltas, so count it again.
-                    claimed_at = _claim(prefill.load, key.tokens)
+                    claimed_at = _claim(prefill.load, claimed)
                 self.stats.prefill_attempts += 1
                 self.stats.prefill_endpoint = prefill.load.endpoint
                 sent_at_report = claimed_at
@@ -483,9 +487,9 @@ class Flow:
                             _prefilled(
                                 prefill.load,
                                 sent_at_report,
-                                len(req.prompt_token_ids),
+                                claimed,
+                                len(req.prompt_token_ids) - first.num_cached_tokens,
                                 1,
-                                first.num_cached_tokens,
                             )
                             self.stats.prefill_queue_seconds = first.queue_seconds
                             self.stats.prefill_compute_seconds = first.compute_seconds
@@ -601,9 +605,8 @@ class Flow:
                 if (refusal := req.too_big_for(worker)) is not None:
                     too_small[worker.load.endpoint] = refusal
                     continue
-                worker.load.pending_tokens += len(req.prompt_token_ids)
-                worker.load.pending_requests += 1
-                sent_at_report = worker.load.reports
+                claimed = key.tokens - self.colocated.likely_cached(worker, key)
+                sent_at_report = _claim(worker.load, claimed)
                 self.colocated.sent(worker, key)
                 self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint
                 start = time.monotonic()
@@ -624,8 +627,8 @@ class Flow:
                             _prefilled(
                                 worker.load,
                                 sent_at_report,
-                                len(req.prompt_token_ids),
-                                cached=event.num_cached_tokens,
+                                claimed,
+                                len(req.prompt_token_ids) - event.num_cached_tokens,
                             )
                             self.stats.num_cached_tokens = event.num_cached_tokens
                             self.stats.prefill_compute_seconds = time.monotonic() - start

@@ -368,6 +368,14 @@ class WorkerPool:
         load = choose(loads, self.policy, exclude, self._counter, None, prompt.tokens, cached)
         return None if load is None else self.workers[load.endpoint]
 
+    def likely_cached(self, worker: Worker, prompt: PromptKey) -> int:
+        """Tokens of the prompt that `worker` likely holds in its prefix cache (0 unless
+        `cache_aware`): what it will not compute, so what a pick queues there is the rest."""
+        if not prompt.hashes:
+            return 0
+        blocks = self.prefixes.matched_blocks(prompt.hashes).get(worker.load.endpoint, 0)
+        return min(blocks * self.block_size(), prompt.tokens)
+
     def sent(self, worker: Worker, prompt: PromptKey) -> None:
         """The prompt was sent to `worker` (what `cache_aware` routes the next ones by)."""
         if prompt.hashes:
