@@ -146,7 +146,7 @@ def test_priority_from_body_or_header() -> None:
         ({"prompt": "x", "logprobs": True}, "logprobs", "invalid_type"),
         ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "unknown_parameter"),
         ({"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
-        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({"prompt": "x", "stop": [str(i) for i in range(17)]}, "stop", "invalid_value"),
         ({"prompt": "x", "stop": [1]}, "stop", "invalid_type"),
         (
             {"prompt": "x", "stream_options": {"include_usage": True}},

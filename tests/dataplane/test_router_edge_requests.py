@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from aiohttp.compression_utils import HAS_BROTLI
 from aiohttp.test_utils import TestClient, TestServer
 from splitserve_workers.router import openai_api as api
 from splitserve_workers.router.app import AppRunner, Router, RouterOptions, load_tokenizer
@@ -320,3 +321,131 @@ async def test_drain_deadline_cuts_a_request_still_being_tokenized(tiny_model: P
         error = (await r.json())["error"]
         assert error["code"] == "draining" and "before generation started" in error["message"]
         assert not router.tokenizing and router.in_flight == 0
+
+
+async def test_a_content_coding_the_router_cannot_decode_is_a_415(client: TestClient) -> None:
+    # aiohttp passes a coding it does not know through as-is: without this check the
+    # compressed bytes were parsed as JSON (or, worse, happened to parse).
+    headers = {"content-type": "application/json", "content-encoding": "foo"}
+    r = await client.post("/v1/completions", data=b'{"prompt": "hi"}', headers=headers)
+    assert r.status == 415, await r.text()
+    error = (await r.json())["error"]
+    assert error["code"] == "unsupported_content_encoding" and "'foo'" in error["message"]
+    assert "gzip" in r.headers["Accept-Encoding"]
+    headers["content-encoding"] = "identity"
+    r = await client.post("/v1/completions", data=b'{"prompt": "hi", "n": 0}', headers=headers)
+    assert r.status == 400 and (await r.json())["error"]["param"] == "n"  # read, then judged
+
+
+@pytest.mark.skipif(HAS_BROTLI, reason="the Brotli module is installed: br is decoded")
+async def test_br_without_its_module_is_a_415_not_advice_to_install_it(tiny_model: Path) -> None:
+    # aiohttp refuses it while parsing the headers, before any route runs, with "Please install
+    # `Brotli`": advice for the server's operator, not for the client.
+    async with router_runner(tiny_model) as port:
+        body = b'{"prompt": "hi"}'
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: br\r\nContent-Length: %d\r\n\r\n" % len(body)
+        ) + body
+        status, headers, answer = await raw_exchange(port, request)
+        assert status == 415, answer
+        error = json.loads(answer)["error"]
+        assert error["code"] == "unsupported_content_encoding", error
+        assert "install" not in error["message"].lower() and "gzip" in headers["accept-encoding"]
+
+
+def test_stop_takes_a_harness_worth_of_strings() -> None:
+    # lm-eval-harness's local-completions sends a task's whole `until` list plus the EOS string
+    # (humaneval: 8 + 1); vLLM takes any number. The workers' bound is 16.
+    until = ["\nclass", "\n#", "\nif", "\nprint", "\n```", "\n```\n\n", "<|eot_id|>", "</s>"]
+    req = api.parse_completion({"prompt": "x", "stop": [*until, "<|end_of_text|>"]})
+    assert len(req.stop) == 9
+    assert len(api.parse_completion({"prompt": "x", "stop": [str(i) for i in range(16)]}).stop)
+    with pytest.raises(api.APIError) as err:
+        api.parse_completion({"prompt": "x", "stop": [str(i) for i in range(17)]})
+    assert err.value.param == "stop" and "at most 16" in err.value.message
+
+
+def test_newer_openai_fields_are_accepted_and_type_checked() -> None:
+    # What the openai client sends when asked (safety_identifier and prompt_cache_key replace
+    # `user`; include_obfuscation pads stream chunks): none changes what is generated.
+    messages = [{"role": "user", "content": "x"}]
+    body = {"safety_identifier": "u-1", "prompt_cache_key": "k", "prompt_cache_retention": "24h"}
+    assert api.parse_chat({"messages": messages, **body}).kind == "chat"
+    options = {"include_usage": True, "include_obfuscation": False}
+    req = api.parse_chat({"messages": messages, "stream": True, "stream_options": options})
+    assert req.include_usage
+    for bad, param in [
+        ({"safety_identifier": 7}, "safety_identifier"),
+        ({"stream": True, "stream_options": {"include_obfuscation": "no"}}, "include_obfuscation"),
+    ]:
+        with pytest.raises(api.APIError) as err:
+            api.parse_chat({"messages": messages, **bad})
+        assert err.value.status == 400 and err.value.param == param
+
+
+class _ScriptedFlow:
+    """A flow that yields the given chunks (what the workers would have sent)."""
+
+    def __init__(self, chunks: list) -> None:
+        from splitserve_workers.router.flow import FlowStats
+
+        self.chunks = chunks
+        self.stats = FlowStats()
+
+    def tokens(self) -> AsyncIterator:
+        async def gen() -> AsyncIterator:
+            for chunk in self.chunks:
+                yield chunk
+
+        return gen()
+
+
+async def test_a_stop_string_the_final_flush_completes_finishes_with_stop(
+    tiny_model: Path,
+) -> None:
+    # A continuation byte never completes a character: its text (U+FFFD) appears only when the
+    # generation ends. A stop string matched there cuts the text, and the reason is "stop", not
+    # the "length" the worker ended with (its own stop check renders such bytes differently).
+    from splitserve_workers.router.app import _Run
+    from splitserve_workers.router.flow import TokenChunk
+
+    router = router_on_nothing(tiny_model)
+    tok = router.tokenizer
+    byte = next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\xbf")
+    prompt = tok.encode("hi", add_special_tokens=True)
+    req = api.parse_completion({"prompt": "hi", "max_tokens": 2, "stop": "\ufffd"})
+    flow = _ScriptedFlow(
+        [TokenChunk([byte]), TokenChunk([byte], finished=True, finish_reason="length")]
+    )
+    run = _Run(router, req, flow, 0, prompt, "hi", 0.0)  # type: ignore[arg-type]
+    out = [(text, reason) async for text, reason, _ in run.chunks()]
+    assert "".join(t for t, _ in out) == "" and out[-1][1] == "stop", out
+    # Without the stop string the same tokens end with the worker's reason.
+    req = api.parse_completion({"prompt": "hi", "max_tokens": 2})
+    flow = _ScriptedFlow(
+        [TokenChunk([byte]), TokenChunk([byte], finished=True, finish_reason="length")]
+    )
+    run = _Run(router, req, flow, 0, prompt, "hi", 0.0)  # type: ignore[arg-type]
+    out = [(text, reason) async for text, reason, _ in run.chunks()]
+    assert "\ufffd" in "".join(t for t, _ in out) and out[-1][1] == "length", out
+
+
+def test_vllms_default_integer_priority_is_no_preference() -> None:
+    assert api.parse_completion({"prompt": "x", "priority": 0}).priority == "interactive"
+    assert api.parse_completion({"prompt": "x", "priority": 0}, "background").priority == (
+        "background"
+    )
+    for value in (1, -1, False, "urgent"):
+        with pytest.raises(api.APIError) as err:
+            api.parse_completion({"prompt": "x", "priority": value})
+        assert err.value.status == 400 and err.value.param == "priority"
+
+
+def test_a_top_p_below_float32s_range_stays_the_strictest_cut() -> None:
+    # The proto's float32 turned top_p 1e-50 into 0, which the workers read as unset (1.0).
+    from splitserve_workers.proto import serving_pb2 as pb
+
+    req = api.parse_completion({"prompt": "x", "top_p": 1e-50})
+    assert 0 < pb.SamplingParams(top_p=req.top_p).top_p <= 1e-29
+    assert api.parse_completion({"prompt": "x", "top_p": 0.3}).top_p == 0.3

@@ -247,6 +247,19 @@ def test_the_workers_and_the_router_take_the_same_values() -> None:
         )
 
 
+def test_the_bounds_survive_the_protos_float32() -> None:
+    """The router accepts repetition_penalty 0.01 (the bound); the proto carries float32, where
+    0.01 is 0.0099999998: every such request was refused by the prefill worker (INVALID_ARGUMENT,
+    retried 3 times, then a 502 upstream_error)."""
+    from splitserve_workers.proto import serving_pb2 as pb
+    from splitserve_workers.worker_runtime import sampling_from_proto
+
+    params = sampling_from_proto(pb.SamplingParams(max_tokens=1, repetition_penalty=0.01))
+    assert params.repetition_penalty == 0.01
+    with pytest.raises(ValueError, match=r"sampling\.repetition_penalty: 0\.0098"):
+        sampling_from_proto(pb.SamplingParams(max_tokens=1, repetition_penalty=0.0099))
+
+
 def test_the_smallest_repetition_penalty_keeps_the_batch_sampling(
     make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
 ) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -385,6 +386,17 @@ def request_problem(
     return None
 
 
+def _float32(value: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+def _at_least(value: float, bound: float) -> float:
+    """A proto float arrives rounded to float32: a value the router accepted at an inclusive
+    lower bound that float32 cannot hold (repetition_penalty 0.01 arrives as 0.0099999998) is
+    that bound, not a value below it."""
+    return bound if _float32(bound) <= value < bound else value
+
+
 def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
     """Proto sampling -> engine SamplingParams; raises ValueError naming the field."""
     from splitserve_workers.engine import SamplingParams
@@ -392,6 +404,7 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         MAX_LOGIT_BIAS_TOKENS,
         MAX_PROMPT_LOGPROBS,
         MAX_TOP_LOGPROBS,
+        MIN_REPETITION_PENALTY,
     )
 
     if p.temperature < 0:
@@ -437,7 +450,7 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         prompt_logprobs=prompt,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty or 1.0,
+        repetition_penalty=_at_least(p.repetition_penalty or 1.0, MIN_REPETITION_PENALTY),
         logit_bias=dict(p.logit_bias),
     )
     try:

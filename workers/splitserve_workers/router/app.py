@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, LineTooLong
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from aiohttp.http_exceptions import BadHttpMethod, ContentEncodingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -109,6 +110,22 @@ def load_tokenizer(model_dir: str) -> Any:
 
 
 _BODY_HEADERS = ("content-type", "content-length")
+# The request Content-Encodings aiohttp decodes here (br and zstd need optional modules).
+CONTENT_CODINGS = (
+    ("gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + (("zstd",) if HAS_ZSTD else ())
+)
+
+
+def unsupported_coding(coding: str) -> api.APIError:
+    """RFC 9110 15.5.16: a body in a content coding the server cannot decode is a 415, whose
+    Accept-Encoding says which it can."""
+    return api.APIError(
+        415,
+        f"request body Content-Encoding {coding!r} is not supported; send it uncompressed or "
+        f"as {', '.join(CONTENT_CODINGS)}",
+        code="unsupported_content_encoding",
+        headers={"Accept-Encoding": ", ".join(CONTENT_CODINGS)},
+    )
 
 
 def _needs_key(path: str) -> bool:
@@ -209,7 +226,7 @@ class Router:
         try:
             return await handler(request)
         except api.APIError as e:
-            return web.json_response(e.body(), status=e.status)
+            return web.json_response(e.body(), status=e.status, headers=e.headers)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -298,6 +315,10 @@ class Router:
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.options.max_request_bytes
+        coding = request.headers.get("Content-Encoding", "").strip().lower()
+        if coding not in ("", "identity", *CONTENT_CODINGS):
+            # aiohttp passes a coding it does not know through undecoded (as JSON garbage).
+            raise unsupported_coding(coding)
         if request.content_length is not None and request.content_length > limit:
             raise api.APIError(
                 413,
@@ -576,8 +597,13 @@ class _Run:
                     yield text, "stop", entries
                     return  # closing `tokens` aborts the rest on the workers
                 if chunk.finished:
-                    self.finish_reason = chunk.finish_reason or "stop"
-                    yield text + self.detok.finish(), self.finish_reason, entries
+                    text += self.detok.finish()
+                    # The flush of a trailing incomplete character can complete a stop string:
+                    # then the text was cut there, and the reason is "stop" (as vLLM reports a
+                    # stop string found on the last token), not the worker's "length".
+                    reason = "stop" if self.detok.stopped else chunk.finish_reason
+                    self.finish_reason = reason or "stop"
+                    yield text, self.finish_reason, entries
                     return
                 # One chunk per token event even when its text is empty (held back for a stop
                 # string, an incomplete character, a token without text): clients time tokens
@@ -1078,6 +1104,15 @@ class _OpenAIErrorHandler(RequestHandler):
         else:
             if request.writer.output_size > 0:
                 raise ConnectionError("response already started; cannot send the error")
+            if isinstance(exc, ContentEncodingError) and "install" in str(exc):
+                # br or zstd without the module that decodes it (aiohttp's text says to install
+                # it, which is no advice for a client): a 415 naming what is accepted.
+                coding = "zstd" if "zstd" in str(exc) else "br"
+                err = unsupported_coding(coding)
+                log.info("bad HTTP request from %s: %s", request.remote, err.message)
+                response = web.json_response(err.body(), status=415, headers=err.headers)
+                response.force_close()
+                return response
             if isinstance(exc, LineTooLong):  # its own text echoes the whole oversized line
                 why = f"the request line or a header is longer than {exc.args[1]} bytes"
             else:

@@ -13,7 +13,9 @@ from typing import Any
 INT32_MAX = 2**31 - 1  # top_k and token ids travel to the workers as int32
 PRIORITY_HEADER = "x-splitserve-priority"
 PRIORITIES = ("interactive", "background")
-MAX_STOP_STRINGS = 4
+# vLLM sets no bound and lm-eval-harness's local-completions sends a task's whole `until`
+# list plus the EOS string (humaneval: 9); the workers accept up to 16 (worker_runtime.py).
+MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1000  # each is matched against the text's tail on every token
 MAX_STOP_TOKEN_IDS = 64  # checked on every token (the workers refuse more)
 # The engine's bounds (engine/sampling.py, which imports torch, so they are repeated here; a
@@ -23,6 +25,7 @@ MAX_REPETITION_PENALTY = 10.0
 MIN_REPETITION_PENALTY = 0.01
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
+MIN_TOP_P = 1e-30  # a float32 (normal) the workers receive as it is
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Choices in one request: `n` per prompt, times the prompts of a completions batch. Each is a
 # generation of its own on the workers (prefix caching makes the copies' prefill cheap), so a
@@ -41,12 +44,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # of the HTTP answer (e.g. a 415's Accept-Encoding)
         if type is None:
             type = "invalid_request_error" if status < 500 else "server_error"
         self.type = type
@@ -241,11 +246,20 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 # Accepted and ignored: they do not change what is generated. Still type-checked, as OpenAI
 # does, so a client bug shows here and not on the day it talks to another server.
-_IGNORED = ("user", "metadata", "store", "service_tier")
+# safety_identifier and prompt_cache_key are OpenAI's successors of `user` (the openai client
+# sends them when asked); prompt_cache_retention is a caching hint.
+_IGNORED_STRINGS = (
+    "user",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+)
+_IGNORED = (*_IGNORED_STRINGS, "metadata", "store")
 
 
 def _check_ignored(body: dict[str, Any]) -> None:
-    for name in ("user", "service_tier"):
+    for name in _IGNORED_STRINGS:
         value = body.get(name)
         if value is not None and not isinstance(value, str):
             raise _wrong_type(name, "a string", value)
@@ -367,7 +381,10 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     temperature = _float(body, "temperature", 0.0, 2.0)
     req.temperature = 1.0 if temperature is None else temperature
     top_p = _float(body, "top_p", 0.0, 1.0, lo_open=True)
-    req.top_p = 1.0 if top_p is None else top_p
+    # The workers get it as a float32, where 0 means unset (1.0): a positive top_p below
+    # float32's range would turn into no nucleus cut at all instead of the strictest one. Any
+    # top_p under the largest probability (>= 1 / vocabulary) keeps the top token alone.
+    req.top_p = 1.0 if top_p is None else max(top_p, MIN_TOP_P)
     req.top_k = _int(body, "top_k", 0, INT32_MAX) or 0
     req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     req.presence_penalty = _float(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
@@ -398,7 +415,9 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
             raise invalid(
                 "stream_options", "'stream_options' is only allowed when 'stream' is true"
             )
-        unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+        # include_obfuscation (OpenAI's random padding field on stream chunks) is type-checked
+        # and ignored: chunks without the padding are what `false` asks for, and valid either way.
+        unknown = set(options) - {"include_usage", "continuous_usage_stats", "include_obfuscation"}
         if unknown:
             name = sorted(unknown)[0]
             raise APIError(
@@ -407,6 +426,7 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
                 param=f"stream_options.{name}",
                 code="unknown_parameter",
             )
+        _bool(options, "include_obfuscation")
         req.include_usage = bool(_bool(options, "include_usage"))
         # vLLM's extension: running totals on every chunk (only with include_usage, as there).
         continuous = bool(_bool(options, "continuous_usage_stats"))
@@ -414,6 +434,11 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     _check_ignored(body)
     priority = body.get("priority")
     param = "priority"
+    if _is_int(priority) and priority == 0:
+        # vLLM's `priority` is an integer whose default, 0, is the only value its default
+        # (first-come-first-served) scheduler takes: clients written for vLLM send it. No
+        # preference, as if absent.
+        priority = None
     if priority is None and header_priority is not None:
         priority, param = header_priority.strip().lower(), PRIORITY_HEADER
     if priority is not None:
