@@ -401,7 +401,7 @@ def _error(r: httpx.Response) -> dict[str, Any]:
         ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
         ("/v1/completions", {"prompt": "hi", "n": 65}, 400, "n"),
         ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 22}, 400, "n"),
-        ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt[1]"),
+        ("/v1/completions", {"prompt": ["a", [1, "x"]]}, 400, "prompt[1]"),
         ("/v1/completions", {"prompt": [[1, 2], [-1]]}, 400, "prompt[1]"),
         ("/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),
         ("/v1/completions", {"prompt": [[1], [999999]]}, 400, "prompt[1]"),
@@ -455,6 +455,14 @@ def test_error_corpus(
     assert err["param"] == param
     if param:
         assert param.split("[")[0] in err["message"]
+
+
+def test_an_empty_prompt_is_the_bos_token_alone(stack: dict[str, Any], engine: Any) -> None:
+    bos = engine.tokenizer.encode("")
+    assert len(bos) == 1  # tiny-llama's tokenizer adds a BOS token
+    answer = client(stack).completions.create(model="tiny", prompt="", max_tokens=4, temperature=0)
+    assert answer.usage is not None and answer.usage.prompt_tokens == 1
+    assert answer.choices[0].text == reference(engine, bos, 4)
 
 
 def test_too_long_prompt_names_the_limit(stack: dict[str, Any]) -> None:
@@ -771,6 +779,7 @@ def test_a_batch_of_prompts_answers_each_in_order(
         r = _post(stack, "/v1/completions", json.dumps(body))
         assert r.status_code == 200, r.text
         answer = r.json()
+        assert r.headers["x-request-id"] == answer["id"]
         assert [c["index"] for c in answer["choices"]] == list(range(6))
         got = [c["text"] for c in answer["choices"]]
         prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts[:2]) + len(ids)

@@ -156,7 +156,6 @@ def test_priority_from_body_or_header() -> None:
         ({"prompt": 5}, "prompt", "invalid_type"),
         ({"prompt": ["a", 5]}, "prompt", "invalid_type"),
         ({"prompt": ["a", "b", []]}, "prompt[2]", "invalid_type"),
-        ({"prompt": ""}, "prompt", "invalid_value"),
         ({}, "prompt", "missing_required_parameter"),
         ({"prompt": "x", "priority": "now"}, "priority", "invalid_value"),
         ({"prompt": "x", "seed": 1.5}, "seed", "invalid_type"),

@@ -377,7 +377,15 @@ class Router:
                     )
             return list(prompt), self.tokenizer.decode(prompt)
         assert prompt is not None
-        return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:
+            # OpenAI and vLLM take "" as the BOS token alone; a tokenizer without one leaves
+            # nothing to generate from.
+            label = req.prompt_label(i)
+            raise api.invalid(
+                label, f"'{label}' is empty, and this model's tokenizer adds no BOS token to it"
+            )
+        return ids, prompt
 
     def _all_prompt_ids(self, req: api.GenerationRequest) -> list[tuple[list[int], str]]:
         if req.kind == "chat":
@@ -824,7 +832,8 @@ class _Answer:
         return web.json_response(
             api.response(
                 self.req.kind, self.rid, self.model, self.created, choices, self.usage(), False
-            )
+            ),
+            headers={"X-Request-Id": self.rid},
         )
 
     def _chunk(self, run: _Run, text: str, reason: str | None, logprobs: Any) -> dict[str, Any]:

@@ -471,9 +471,7 @@ def _begin(
 
 def _one_prompt(param: str, prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
-        if prompt == "":
-            raise invalid(param, f"'{param}' must not be empty")
-        return prompt
+        return prompt  # "" is the tokenizer's BOS alone (or refused, where it adds none)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if any(t < 0 for t in prompt):
             raise invalid(param, f"'{param}' token ids must be non-negative")
