@@ -38,6 +38,8 @@ def test_defaults_round_trip_through_yaml() -> None:
         ({"router": {"max_request_bytes": 0}}, "router.max_request_bytes"),
         ({"router": {"prefill_endpoints": "a:1"}}, "router.prefill_endpoints"),
         ({"router": {"discovery": "consul"}}, "router.discovery"),
+        ({"router": {"log_requests": "yes"}}, "router.log_requests"),
+        ({"router": {"log_requests": 1}}, "router.log_requests"),
         ({"slo": {"percentile": 100}}, "slo.percentile"),
         ({"slo": {"ttft_seconds": "fast"}}, "slo.ttft_seconds"),
     ],
@@ -53,11 +55,12 @@ def test_valid_edges_are_accepted() -> None:
         {
             "model": {"max_model_len": None},
             "prefill": {"port": 0},
-            "router": {"port": 65535, "prefill_endpoints": ["a:1"]},
+            "router": {"port": 65535, "prefill_endpoints": ["a:1"], "log_requests": True},
             "slo": {"ttft_seconds": 1},  # an int is a fine float
         }
     )
     assert config.router.port == 65535 and config.slo.ttft_seconds == 1
+    assert config.router.log_requests is True
 
 
 def test_unreadable_or_malformed_file_is_a_config_error(tmp_path: Path) -> None:

@@ -215,6 +215,10 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
     if name == "router":
         settings["port"] = _int(data, "port", 8000, path, minimum=1)
         settings["serviceType"] = data.get("serviceType", "ClusterIP")
+        log_requests = data.get("logRequests", False)
+        if not isinstance(log_requests, bool):
+            raise SpecError(f"{path}.logRequests: {log_requests!r} is not a boolean")
+        settings["logRequests"] = log_requests
         secret = data.get("apiKeySecret")
         if secret is not None:
             if not isinstance(secret, dict) or not secret.get("name"):

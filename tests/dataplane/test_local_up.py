@@ -72,6 +72,7 @@ def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> No
             "0.5",
             "--log-dir",
             str(tmp_path),
+            "--log-requests",
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -102,7 +103,11 @@ def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> No
         url, body = f"http://127.0.0.1:{port}/v1/completions", {"prompt": "hello", "max_tokens": 8}
         assert httpx.post(url, json=body, timeout=120).status_code == 401
         key = {"Authorization": "Bearer sk-local"}
-        assert httpx.post(url, json=body, headers=key, timeout=120).status_code == 200
+        answer = httpx.post(url, json=body, headers=key, timeout=120)
+        assert answer.status_code == 200
+        # --log-requests reaches the router: its log file has the request's line.
+        logged = (tmp_path / "router.log").read_text()
+        assert f'splitserve.requests: {{"id":"{answer.json()["id"]}"' in logged, logged[-2000:]
         deadline = time.monotonic() + 60
         while not any("TTFT mean" in line for line in lines) and time.monotonic() < deadline:
             time.sleep(0.2)

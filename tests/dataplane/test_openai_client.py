@@ -49,6 +49,7 @@ def stack(tiny_model: Path, launch_module_worker: Any, worker_flags: Any) -> dic
             str(MAX_REQUEST_BYTES),
             "--model-name",
             "tiny",
+            "--log-requests",
         ],
     )
     base = f"http://127.0.0.1:{router.port}"
@@ -824,3 +825,47 @@ def test_n_choices_hung_up_on_mid_stream_are_aborted(stack: dict[str, Any]) -> N
     assert_blocks_back(stack, initial)
     # Aborted, not run to the end (each choice's first token comes from the prefill worker).
     assert _generated_on_decode(stack) - generated < 4 * (max_tokens - 1)
+
+
+def _request_log(stack: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The router's JSON log line of request `rid` (--log-requests); the line is written when
+    the handler ends, just after the answer's last byte: polled, not timed."""
+    deadline = time.monotonic() + 30
+    while True:
+        for line in stack["router"].log().splitlines():
+            _, sep, record = line.partition(" INFO splitserve.requests: ")
+            if sep and json.loads(record)["id"] == rid:
+                return json.loads(record)
+        assert time.monotonic() < deadline, f"no request log line for {rid}"
+        time.sleep(0.05)
+
+
+def test_each_request_logs_one_json_line(stack: dict[str, Any]) -> None:
+    c = client(stack)
+    secret = "do not log this prompt"
+    ok = c.completions.create(model="tiny", prompt=secret, max_tokens=5, n=2, temperature=0)
+    record = _request_log(stack, ok.id)
+    assert record["path"] == "/v1/completions" and record["status"] == "ok"
+    assert record["choices"] == 2 and record["finish_reasons"] == ["length", "length"]
+    assert ok.usage is not None
+    assert record["prompt_tokens"] == ok.usage.prompt_tokens
+    assert record["completion_tokens"] == ok.usage.completion_tokens == 10
+    assert record["prefill"] == [stack["prefill"].endpoint]
+    assert record["decode"] == [stack["decode"].endpoint]
+    assert 0 < record["ttft_ms"] <= record["e2e_ms"]
+    assert secret not in stack["router"].log()  # prompts and answers are never logged
+    # A refused request is logged too, with its error.
+    r = _post(stack, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 10**6}))
+    assert r.status_code == 400
+    refused = [
+        json.loads(line.partition(" INFO splitserve.requests: ")[2])
+        for line in stack["router"].log().splitlines()
+        if " INFO splitserve.requests: " in line
+    ]
+    assert any(
+        x["status"] == "rejected"
+        and x["http_status"] == 400
+        and x["error_code"] == "context_length_exceeded"
+        and "maximum context length" in x["error"]
+        for x in refused
+    )

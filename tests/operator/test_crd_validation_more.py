@@ -620,6 +620,20 @@ def test_api_key_secret_is_a_secret_reference(
 
 
 @pytest.mark.cluster
+def test_log_requests_is_a_boolean(
+    control_plane: Any, cluster_release: Any, namespace: str
+) -> None:
+    assert (
+        dry_run(control_plane, namespace, llmservice({"router": {"logRequests": True}})).returncode
+        == 0
+    )
+    proc = dry_run(control_plane, namespace, llmservice({"router": {"logRequests": "yes"}}))
+    assert proc.returncode != 0 and "spec.router.logRequests: Invalid value" in proc.stderr, (
+        proc.stderr
+    )
+
+
+@pytest.mark.cluster
 def test_replica_bounds_are_reported_once_each(
     control_plane: Any, cluster_release: Any, namespace: str
 ) -> None:

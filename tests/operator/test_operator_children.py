@@ -11,7 +11,7 @@ from splitserve_operator.children import desired_children, unwanted_children
 from splitserve_operator.config import OperatorConfig
 from splitserve_operator.names import CONFIG_HASH_ANNOTATION
 from splitserve_operator.podtemplate import container_args
-from splitserve_operator.spec import parse_spec
+from splitserve_operator.spec import SpecError, parse_spec
 from splitserve_workers.config import CONFIG_PATH_IN_POD, ServingConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +151,14 @@ def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
     assert config.router.discovery == "dns"
     assert config.router.prefill_service == "chat-prefill.team-a.svc.cluster.local:50051"
     assert config.router.decode_service == "chat-decode.team-a.svc.cluster.local:50052"
+    assert config.router.log_requests is False
+    spec = copy.deepcopy(SPEC)
+    spec["router"] = {"logRequests": True}
+    text = build(spec)[("ConfigMap", "chat-config")]["data"]["config.yaml"]
+    assert ServingConfig.from_yaml(text).router.log_requests is True
+    spec["router"] = {"logRequests": "yes"}  # stored before the schema (which refuses it)
+    with pytest.raises(SpecError, match=r"^spec\.router\.logRequests: "):
+        parse_spec(spec)
     assert (config.slo.ttft_seconds, config.slo.tpot_seconds, config.slo.percentile) == (
         0.3,
         0.04,

@@ -30,7 +30,7 @@ def test_defaults_match_the_crd_schema() -> None:
     assert spec.model_dtype == "auto"
     assert spec.mount_path == "/models"
     assert spec.router.replicas == spec.prefill.replicas == spec.decode.replicas == 1
-    assert spec.router.settings == {"port": 8000, "serviceType": "ClusterIP"}
+    assert spec.router.settings == {"port": 8000, "serviceType": "ClusterIP", "logRequests": False}
     assert spec.prefill.settings == {"maxBatchTokens": 8192}
     assert spec.decode.settings == {"maxBatchSize": 128, "blockSize": 16}
     assert (spec.ttft_seconds, spec.tpot_seconds, spec.percentile) == (0.5, 0.05, 95.0)

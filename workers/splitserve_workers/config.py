@@ -57,6 +57,7 @@ class RouterSettings:
     prefill_policy: str = "cache_aware"
     decode_policy: str = "most_free_blocks"
     max_request_bytes: int = 4 << 20
+    log_requests: bool = False  # a JSON log line per generation request
 
 
 @dataclass
@@ -169,13 +170,15 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
     "int | None": (int, type(None)),
     "list[str]": (list,),
+    "bool": (bool,),
 }
 
 
 def _check_type(name: str, value: Any, annotation: str) -> None:
     """A YAML value of the wrong type fails here, naming the field, rather than deep inside."""
     allowed = _TYPES[annotation]
-    ok = isinstance(value, allowed) and not isinstance(value, bool)
+    # Python's bool is an int: only a bool field takes true/false.
+    ok = isinstance(value, allowed) and (isinstance(value, bool) == (annotation == "bool"))
     if ok and annotation == "list[str]":
         ok = all(isinstance(item, str) for item in value)
     if not ok:

@@ -362,6 +362,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset", default=DEFAULT_PRESET, help="make-model preset used when --model is not given"
     )
     parser.add_argument("--config", help="ServingConfig YAML passed to every process")
+    parser.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="the router logs one JSON line per request (in its log file under the logs folder)",
+    )
     parser.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     parser.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     parser.add_argument(
@@ -664,6 +669,8 @@ async def _up(
         ]
         if args.config:
             router_args += ["--config", args.config]
+        if args.log_requests:
+            router_args.append("--log-requests")
         scaler = None
         if autoscale:
             scaler = _local_autoscaler(stack, common, log_dir, autoscale)

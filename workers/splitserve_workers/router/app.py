@@ -59,6 +59,7 @@ from splitserve_workers.router.picking import (
 )
 
 log = logging.getLogger("splitserve.router")
+request_log = logging.getLogger("splitserve.requests")
 
 _PRIORITY = {
     "interactive": serving_pb2.PRIORITY_INTERACTIVE,
@@ -87,6 +88,7 @@ class RouterOptions:
     # router's port is the one clients reach.
     debug_endpoints: bool = False
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none configured: the port is open
+    log_requests: bool = False  # a JSON line per generation request (logger splitserve.requests)
 
 
 def model_config(model_dir: str) -> dict[str, Any]:
@@ -494,6 +496,9 @@ class Router:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         arrival = time.monotonic()
         status = "rejected"
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        answer: _Answer | None = None
+        error: api.APIError | None = None
         self.in_flight += 1
         self.metrics.requests_in_flight.labels(**self.labels).inc()
         try:
@@ -512,7 +517,6 @@ class Router:
                 self._check_length(req, len(ids), req.prompt_label(i))
                 for i, (ids, _text) in enumerate(prompts)
             ]
-            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             runs = []
             for i, ((prompt_ids, prompt_text), max_tokens) in enumerate(
                 zip(prompts, limits, strict=True)
@@ -548,7 +552,11 @@ class Router:
                     run.record(answer.status)
         except FlowError as e:
             status = "rejected" if e.status < 500 or e.code == "no_capacity" else "error"
-            raise api.APIError(e.status, e.message, param=e.param, code=e.code) from e
+            error = api.APIError(e.status, e.message, param=e.param, code=e.code)
+            raise error from e
+        except api.APIError as e:
+            error = e
+            raise
         except asyncio.CancelledError:
             status = "abort"
             raise
@@ -556,6 +564,46 @@ class Router:
             self.in_flight -= 1
             self.metrics.requests_in_flight.labels(**self.labels).dec()
             self.metrics.requests.labels(**self.labels, status=status).inc()
+            if self.options.log_requests:
+                log_request(rid, request.path, status, arrival, answer, error)
+
+
+def log_request(
+    rid: str,
+    path: str,
+    status: str,
+    arrival: float,
+    answer: _Answer | None,
+    error: api.APIError | None,
+) -> None:
+    """One JSON line per generation request (`--log-requests`): what it asked, what it got,
+    where it ran and how long it took, for the operator reading the router's log."""
+    record: dict[str, Any] = {"id": rid, "path": path, "status": status}
+    if answer is not None:
+        error_text = answer.error
+        usage = answer.usage()
+        first = [run.token_times[0][0] for run in answer.runs if run.token_times]
+        record |= {
+            "choices": len(answer.runs),
+            "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["completion_tokens"],
+            "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+            "finish_reasons": [run.finish_reason for run in answer.runs],
+            "priority": answer.req.priority,
+            "stream": answer.req.stream,
+            "ttft_ms": round((min(first) - arrival) * 1000, 1) if first else None,
+            "prefill": sorted({r.flow.stats.prefill_endpoint for r in answer.runs} - {""}),
+            "decode": sorted({r.flow.stats.decode_endpoint for r in answer.runs} - {""}),
+        }
+    else:
+        error_text = None
+    if error is not None:
+        record |= {"http_status": error.status, "error_code": error.code}
+        error_text = error.message
+    record["e2e_ms"] = round((time.monotonic() - arrival) * 1000, 1)
+    if error_text:
+        record["error"] = error_text
+    request_log.info("%s", json.dumps(record, separators=(",", ":")))
 
 
 Chunk = tuple[str, str | None, list[api.TokenLogprob]]  # text delta, finish reason, logprobs
@@ -711,6 +759,7 @@ class _Answer:
         self.task = asyncio.current_task()
         self.cut_reason: str | None = None
         self.cut_seen = False  # the cut became this request's answer
+        self.error: str | None = None  # what ended a stream after its first token
 
     @property
     def cuttable(self) -> bool:
@@ -889,6 +938,7 @@ class _Answer:
                 # Tokens already went out: the status line is sent, so the error is an event
                 # (a dead decode worker, or the router's drain deadline).
                 self.status = "error"
+                self.error = e.message
                 err = api.APIError(e.status, e.message, code=e.code)
                 await response.write(api.sse(err.body()))
                 await response.write(api.sse("[DONE]"))
@@ -984,6 +1034,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve /debug/workers (worker addresses, health and load) on the API port",
     )
+    parser.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=None,
+        help="log one JSON line per generation request (id, status, tokens, TTFT, workers, "
+        "error) on the logger splitserve.requests",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -1078,6 +1135,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         drain_timeout=args.drain_timeout,
         ready_without_workers=args.ready_without_workers,
         debug_endpoints=args.debug_endpoints,
+        log_requests=bool(args.log_requests or rs.log_requests),
         api_keys=ApiKeys.from_environment(args.api_key_file),
     )
     port = args.port if args.port is not None else rs.port
