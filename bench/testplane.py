@@ -64,7 +64,7 @@ def main() -> int:
     print(f"{'test plane ' + plane.KUBE_VERSION:<{width}}  value")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    print(f"wrote {args.out.relative_to(ROOT)}")
+    print(f"wrote {args.out}")
     return 0
 
 
