@@ -12,7 +12,6 @@ import contextlib
 import gzip
 import json
 import logging
-import subprocess
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +20,6 @@ import pytest
 from aiohttp import web
 from aiohttp.compression_utils import HAS_BROTLI
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import child_env, splitserve_cmd
 from splitserve_workers.router import openai_api as api
 from splitserve_workers.router.app import AppRunner, Router, RouterOptions, load_tokenizer
 from splitserve_workers.router.discovery import StaticDiscovery
@@ -456,12 +454,9 @@ def test_a_top_p_below_float32s_range_stays_the_strictest_cut() -> None:
 async def test_an_empty_prompt_needs_a_bos_token(tmp_path: Path) -> None:
     # OpenAI and vLLM take "" as the BOS token alone (tested on a real stack in
     # test_openai_client.py); Qwen's tokenizer adds none, which leaves nothing to start from.
-    model = tmp_path / "tiny-qwen2"
-    subprocess.run(
-        splitserve_cmd("make-model", "--preset", "tiny-qwen2", "--out", str(model)),
-        check=True,
-        env=child_env(),
-    )
+    from splitserve_workers.engine.make_model import write_model
+
+    model = write_model("tiny-qwen2", tmp_path / "tiny-qwen2")
     async with TestClient(TestServer(router_on_nothing(model).app())) as c:
         r = await c.post("/v1/completions", json={"prompt": ["hi", ""]})
         assert r.status == 400
