@@ -61,8 +61,11 @@ class BenchEngine:
         max_tokens = ((max(PAYLOADS_MB) << 20) // BYTES_PER_TOKEN) + 1
         self._cache = torch.zeros(LAYERS, 2, max_tokens, HEADS, HEAD_DIM, dtype=self.dtype)
 
-    def reserve(self, request_id: str, n: int) -> bool:
+    def reserve(self, request_id: str, n: int, prompt: Any = None) -> bool:
         return n <= self._cache.shape[2]
+
+    def reserved_cached_tokens(self, request_id: str) -> int:
+        return 0  # no prefix cache: every transfer moves its whole payload
 
     def import_kv(self, request_id: str, layer: int, start: int, k: Any, v: Any) -> None:
         # [n, heads, dim] for one layer or [layers, n, heads, dim] for a batch, as the engine.

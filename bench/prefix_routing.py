@@ -1,6 +1,7 @@
 """Prefill routing benchmark: multi-turn conversations through the router, with the prefill pool
 picked by `cache_aware` (a conversation's next turn goes where its history is cached) against
-`least_queued_tokens` (load only), same model, same stack shape, same conversations.
+`least_queued_tokens` (load only), and `cache_aware` without the decode workers' KV reuse (each
+turn's whole history crosses to decode again), same model, stack shape and conversations.
 
 Every conversation resends its whole history plus a new message each turn, as chat clients do;
 conversations run concurrently, each one turn at a time. Reports per policy: the fraction of
@@ -33,7 +34,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import Stack, one_request, percentiles  # noqa: E402 - the serving benchmark's
 
 RESULTS = Path(__file__).resolve().parent / "results"
-POLICIES = ("cache_aware", "least_queued_tokens")
+# Router settings per configuration: the prefill policies, and cache_aware without the decode
+# workers' KV reuse (every turn's whole history crosses to decode again).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "cache_aware": {"prefill_policy": "cache_aware"},
+    "least_queued_tokens": {"prefill_policy": "least_queued_tokens"},
+    "cache_aware, no KV reuse": {"prefill_policy": "cache_aware", "decode_kv_reuse": False},
+}
+POLICIES = tuple(CONFIGS)
+
+
+async def kv_bytes_sent(session: aiohttp.ClientSession, base: str) -> float:
+    """The router's splitserve_kv_transfer_bytes_total."""
+    async with session.get(base + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("splitserve_kv_transfer_bytes_total{")
+    )
 
 
 async def turn(
@@ -48,8 +67,9 @@ async def turn(
 
 async def conversations(
     base: str, args: argparse.Namespace, vocab: int, seed: int
-) -> list[tuple[float, int, int]]:
-    """(TTFT, cached tokens, prompt tokens) of every turn after the first."""
+) -> tuple[list[tuple[float, int, int]], float]:
+    """(TTFT, cached tokens, prompt tokens) of every turn after the first, and the KV bytes
+    the turns sent to decode workers."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
@@ -63,6 +83,7 @@ async def conversations(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         # Warm-up on prompts no conversation shares: one-time costs in every worker.
         await asyncio.gather(*(turn(session, base, tokens(64), 2) for _ in range(4)))
+        kv_before = await kv_bytes_sent(session, base)
 
         async def talk(c: int) -> None:
             prompt = histories[c]
@@ -73,15 +94,19 @@ async def conversations(
                 prompt = prompt + news[c][t]
 
         await asyncio.gather(*(talk(c) for c in range(args.conversations)))
-    return later
+        kv = await kv_bytes_sent(session, base) - kv_before
+    return later, kv
 
 
-def summary(later: list[tuple[float, int, int]], duration: float) -> dict[str, Any]:
+def summary(
+    later: list[tuple[float, int, int]], duration: float, kv_bytes: float, turns: int
+) -> dict[str, Any]:
     return {
         "duration_s": duration,
         "later_turns": len(later),
         "cached_fraction": sum(c for _, c, _ in later) / max(1, sum(n for _, _, n in later)),
         "ttft_s": percentiles([t for t, _, _ in later]),
+        "kv_bytes_per_turn": kv_bytes / max(1, turns),
     }
 
 
@@ -107,40 +132,53 @@ def main() -> int:
     shape = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     samples: dict[str, list[tuple[float, int, int]]] = {p: [] for p in POLICIES}
     durations = dict.fromkeys(POLICIES, 0.0)
+    kv_bytes = dict.fromkeys(POLICIES, 0.0)
     for round_ in range(args.rounds):
         # Alternate the order (A B, B A, ...): a shared machine drifts during a run. Each
         # round has its own conversations, the same for both policies.
         for policy in POLICIES if round_ % 2 == 0 else POLICIES[::-1]:
             log_dir = Path(tempfile.mkdtemp(prefix=f"splitserve-bench-{policy}-"))
             config = log_dir / "config.yaml"
-            config.write_text(json.dumps({"router": {"prefill_policy": policy}}))  # YAML too
+            config.write_text(json.dumps({"router": CONFIGS[policy]}))  # YAML too
             stack = Stack(model, args.device, [*shape, "--config", str(config)], log_dir)
             try:
                 started = time.perf_counter()
-                samples[policy] += asyncio.run(
+                later, kv = asyncio.run(
                     conversations(f"http://127.0.0.1:{stack.port}", args, vocab, args.seed + round_)
                 )
+                samples[policy] += later
+                kv_bytes[policy] += kv
                 durations[policy] += time.perf_counter() - started
             finally:
                 stack.stop()
-    results = {p: summary(samples[p], durations[p]) for p in POLICIES}
-    base, other = (results[p]["ttft_s"] for p in POLICIES)
+    turns = args.rounds * args.conversations * args.turns
+    results = {p: summary(samples[p], durations[p], kv_bytes[p], turns) for p in POLICIES}
+    base, other, full = (results[p]["ttft_s"] for p in POLICIES)
     ratio = {k: other[k] / base[k] for k in ("p50", "p90")}
+    reuse_ratio = {k: full[k] / base[k] for k in ("p50", "p90")}
+    kv_ratio = results[POLICIES[2]]["kv_bytes_per_turn"] / max(
+        1.0, results[POLICIES[0]]["kv_bytes_per_turn"]
+    )
 
     print(
         f"\nmodel {model.name}, {args.prefill} prefill + {args.decode} decode, "
         f"{args.conversations} conversations x {args.turns} turns, first prompt "
         f"{args.first_len} tok, +{args.turn_len} tok per turn, output {args.output_len} tok"
     )
-    print(f"{'prefill policy':<22} {'cached':>7} {'TTFT p50/p90 ms (turns 2+)':>28}")
+    print(f"{'router':<26} {'cached':>7} {'TTFT p50/p90 ms (turns 2+)':>28} {'KV MB per turn':>15}")
     for policy, r in results.items():
         ttft = r["ttft_s"]
         print(
-            f"{policy:<22} {r['cached_fraction'] * 100:>6.0f}% "
-            f"{ttft['p50'] * 1000:>18.0f}/{ttft['p90'] * 1000:.0f}"
+            f"{policy:<26} {r['cached_fraction'] * 100:>6.0f}% "
+            f"{ttft['p50'] * 1000:>18.0f}/{ttft['p90'] * 1000:<9.0f} "
+            f"{r['kv_bytes_per_turn'] / 1e6:>15.2f}"
         )
     print(
         f"least_queued_tokens / cache_aware TTFT: p50 {ratio['p50']:.2f}x, p90 {ratio['p90']:.2f}x"
+    )
+    print(
+        f"no KV reuse / cache_aware: TTFT p50 {reuse_ratio['p50']:.2f}x, "
+        f"p90 {reuse_ratio['p90']:.2f}x; KV bytes {kv_ratio:.2f}x"
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +186,16 @@ def main() -> int:
     settings["model"] = model.name
     settings["cpu_count"] = os.cpu_count()
     out.write_text(
-        json.dumps({"settings": settings, "results": results, "ttft_ratio": ratio}, indent=2) + "\n"
+        json.dumps(
+            {
+                "settings": settings,
+                "results": results,
+                "ttft_ratio": ratio,
+                "no_kv_reuse": {"ttft_ratio": reuse_ratio, "kv_bytes_ratio": kv_ratio},
+            },
+            indent=2,
+        )
+        + "\n"
     )
     print(f"wrote {out}")
     return 0

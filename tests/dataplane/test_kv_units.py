@@ -47,8 +47,8 @@ def test_encoded_chunk_is_plain_protobuf_and_parses_back(dtype: torch.dtype) -> 
     tracker = TransferTracker("r", 12, 4, HEADS, DIM, name)
     accepted = tracker.accept(view)
     assert accepted is not None
-    layer, k2, v2 = accepted
-    assert layer == 3 and torch.equal(k2, k) and torch.equal(v2, v)
+    layer, start, k2, v2 = accepted
+    assert (layer, start) == (3, 7) and torch.equal(k2, k) and torch.equal(v2, v)
 
 
 def test_generated_serialization_parses_too() -> None:
@@ -71,10 +71,40 @@ def test_layer_batch_is_one_multi_layer_view() -> None:
     tracker = TransferTracker("r", 3, 4, HEADS, DIM, "float32")
     accepted = tracker.accept(parse_kv_chunk(batch.encode("r", "float32")))
     assert accepted is not None
-    first, k, v = accepted  # one [layers, tokens, heads, dim] view per side: one import call
-    assert first == 1 and k.shape == v.shape == (3, 3, HEADS, DIM)
+    first, start, k, v = accepted  # one [layers, tokens, heads, dim] view per side: one call
+    assert (first, start) == (1, 0) and k.shape == v.shape == (3, 3, HEADS, DIM)
     assert all(torch.equal(k[i], ks[i]) and torch.equal(v[i], vs[i]) for i in range(3))
     assert tracker.received_token_layers == 9 and not tracker.complete
+
+
+def test_tokens_the_decode_side_holds_are_validated_then_skipped() -> None:
+    # 10 prompt tokens, the first 4 cached on the decode worker: only [4, 10) is expected. A
+    # sender that sends them anyway (one older than the skip) still completes.
+    ks = [kv(10) for _ in range(2)]
+    vs = [kv(10) for _ in range(2)]
+    batch = _Batch(
+        0, 0, 10, [bytes(tensor_bytes(t)) for t in ks], [bytes(tensor_bytes(t)) for t in vs]
+    )
+    tracker = TransferTracker("r", 10, 2, HEADS, DIM, "float32", cached_tokens=4)
+    assert tracker.expected_token_layers == 12
+    accepted = tracker.accept(parse_kv_chunk(batch.encode("r", "float32")))
+    assert accepted is not None
+    first, start, k, v = accepted
+    assert (first, start) == (0, 4) and k.shape == v.shape == (2, 6, HEADS, DIM)
+    assert all(torch.equal(k[i], ks[i][4:]) and torch.equal(v[i], vs[i][4:]) for i in range(2))
+    assert tracker.complete
+    # A chunk of held tokens only is ignored, one overlapping received ones is a duplicate.
+    tracker = TransferTracker("r", 10, 1, HEADS, DIM, "float32", cached_tokens=4)
+    held = encode_kv_chunk("r", 0, 0, 4, "float32", tensor_bytes(kv(4)), tensor_bytes(kv(4)))
+    assert tracker.accept(parse_kv_chunk(held)) is None
+    rest = encode_kv_chunk("r", 0, 2, 8, "float32", tensor_bytes(kv(8)), tensor_bytes(kv(8)))
+    accepted = tracker.accept(parse_kv_chunk(rest))
+    assert accepted is not None and accepted[1] == 4 and tracker.complete
+    with pytest.raises(KVChunkError, match="duplicate"):
+        tracker.accept(parse_kv_chunk(rest))
+    # A wrongly sized chunk of held tokens is still refused.
+    with pytest.raises(KVChunkError, match="key: 3 bytes"):
+        tracker.accept(parse_kv_chunk(encode_kv_chunk("r", 0, 0, 2, "float32", b"abc", b"abc")))
 
 
 def test_malformed_bytes_do_not_raise() -> None:

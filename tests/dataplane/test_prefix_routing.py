@@ -31,7 +31,12 @@ def pools(tiny_model: Path, launch_module_worker: Any, worker_flags: Any) -> dic
 
 
 def start_router(
-    pools: dict[str, Any], launch_worker: Any, model: Path, name: str, policy: str | None = None
+    pools: dict[str, Any],
+    launch_worker: Any,
+    model: Path,
+    name: str,
+    policy: str | None = None,
+    *flags: str,
 ) -> str:
     """A router in front of both pools, ready; returns its base URL."""
     router = launch_worker(
@@ -41,6 +46,7 @@ def start_router(
             "--prefill", ",".join(p.endpoint for p in pools["prefill"]),
             "--decode", pools["decode"].endpoint,
             *(["--prefill-policy", policy] if policy else []),
+            *flags,
         ],
         name=name,
     )  # fmt: skip
@@ -148,3 +154,42 @@ def test_the_copies_of_a_prompt_reuse_its_first_prefill(
     # All four prefills on one worker (6 blocks looked up each), three of them cache hits.
     assert sorted(looked_up) == [0, 4 * 6], looked_up
     assert sorted(found) == [0, 3 * 6], found
+
+
+def kv_bytes_sent(base: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    m = re.search(r"^splitserve_kv_transfer_bytes_total\{[^}]*\} (\S+)$", text, re.M)
+    return float(m[1]) if m else 0.0
+
+
+def test_kv_the_decode_worker_holds_is_not_sent_again(
+    pools: dict[str, Any], launch_worker: Any, tiny_model: Path
+) -> None:
+    """A decode worker publishes the prompt blocks it imported in its prefix cache; a later
+    prompt that starts with them (a conversation's next turn) reserves them there, and the
+    prefill worker sends only the rest. `--no-decode-kv-reuse` sends everything (the
+    baseline); the answers are the same."""
+    full = start_router(
+        pools, launch_worker, tiny_model, "router-no-reuse", None, "--no-decode-kv-reuse"
+    )
+    reuse = start_router(pools, launch_worker, tiny_model, "router-reuse")
+    first = [9 + (71 * i) % 370 for i in range(37)]  # 2 whole blocks and 5 tokens
+    second = first + [11 + (29 * i) % 330 for i in range(21)]  # 58 tokens: 3 whole blocks
+
+    def send(base: str, prompt: list[int]) -> tuple[str, float]:
+        before = kv_bytes_sent(base)
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], kv_bytes_sent(base) - before
+
+    send(full, first)
+    text_full, bytes_full = send(full, second)  # every token's KV travels
+    per_token = bytes_full / len(second)
+    assert per_token > 0 and per_token.is_integer()
+    # The decode worker now holds both prompts' whole blocks (published when they started).
+    text_first, bytes_first = send(reuse, first)
+    assert bytes_first == per_token * (len(first) - 32)
+    text_reuse, bytes_reuse = send(reuse, second)
+    assert bytes_reuse == per_token * (len(second) - 48)
+    assert text_reuse == text_full

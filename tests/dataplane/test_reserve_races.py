@@ -35,11 +35,11 @@ class GatedServer:
         self.rejected: list[str] = []
         real_reserve = self.engine.reserve
 
-        def gated_reserve(request_id: str, n: int) -> bool:
+        def gated_reserve(request_id: str, n: int, prompt: list[int] | None = None) -> bool:
             self.entered.set()
             self.gate.wait(WAIT_S)
             try:
-                return real_reserve(request_id, n)
+                return real_reserve(request_id, n, prompt)
             finally:
                 self.returned.set()
 

@@ -739,3 +739,20 @@ def test_a_copy_of_a_cached_prompt_claims_only_its_uncached_tail() -> None:
         assert copy is a
         _claim(copy.load, key.tokens - pool.likely_cached(copy, key))
     assert a.load.pending_tokens == 3 * 5
+
+
+def test_decode_cache_aware_counts_the_blocks_a_worker_holds_as_free() -> None:
+    # Decode's cache_aware: the most free blocks once the reservation is made. b holds the
+    # prompt's 5 whole blocks (a conversation's earlier turn went there), which it shares
+    # instead of allocating: 97 + 5 beats a's 100. Without that history, a.
+    pool = fake_pool("decode", {"a:1": (128, 100), "b:1": (128, 97)})
+    pool.policy = "cache_aware"
+    prompt = list(range(10, 96))  # 86 tokens: 5 whole blocks of 16
+    key = pool.prompt_key(prompt)
+    assert pool.pick(prompt=key) is pool.workers["a:1"]
+    pool.sent(pool.workers["b:1"], key)
+    assert pool.pick(prompt=key) is pool.workers["b:1"]
+    assert pool.pick(prompt=pool.prompt_key(list(range(500, 586)))) is pool.workers["a:1"]
+    # A worker much fuller than the other loses its history's pull.
+    pool.workers["b:1"].load.free_blocks = 90
+    assert pool.pick(prompt=key) is pool.workers["a:1"]

@@ -212,3 +212,65 @@ def test_first_token_that_ends_the_request(
         outs = run(b)
         assert [(o.token_id, o.finished, o.finish_reason) for o in outs] == [(None, True, reason)]
     assert b.stats().free_blocks == b.num_kv_blocks
+
+
+def test_a_later_turn_imports_only_what_the_decode_cache_lacks(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    """Turn 2's prompt is turn 1's prompt and answer plus a new message. The decode engine
+    generated that answer, so its prefix cache holds those blocks: the reservation shares them
+    and only the rest is imported, and decode still equals one engine doing everything."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    local = make_engine()
+    a = make_engine()
+    b = make_engine(block_size=8)  # the decode side pages on its own
+    layers = a.model_config.num_layers
+
+    def prefill(rid: str, prompt: list[int]) -> tuple[int, KVCollector]:
+        collector = KVCollector(layers, len(prompt))
+        a.add_request(rid, prompt, params, prefill_only=True, on_kv=collector)
+        (out,) = run(a)
+        assert out.token_id is not None
+        return out.token_id, collector
+
+    first_turn = prompt_ids(a, 29)
+    first, kv = prefill("t1", first_turn)
+    answer = decode_on(b, "t1", first_turn, first, kv.chunks, params)
+    second_turn = first_turn + answer + prompt_ids(a, 11, salt=1)
+    first, kv = prefill("t2", second_turn)
+    assert b.reserve("t2", len(second_turn), second_turn)
+    cached = b.reserved_cached_tokens("t2")
+    # Every whole block of turn 1's prompt and answer but the last generated token (its KV was
+    # never computed): (29 + 12 - 1) // 8 blocks of 8.
+    assert cached == (29 + 12 - 1) // 8 * 8 == 40
+    for layer, start, k, v in kv.chunks:
+        if start + k.shape[0] > cached:
+            skip = max(0, cached - start)
+            b.import_kv("t2", layer, start + skip, k[skip:], v[skip:])
+    b.start_decode("t2", second_turn, first, params)
+    got = [first] + [o.token_id for o in run(b) if o.token_id is not None]
+    assert got == local.generate([second_turn], params)[0]
+    assert b.stats().free_blocks == b.num_kv_blocks
+
+
+def test_a_reservation_that_found_a_prefix_is_for_that_prompt_only(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    b = make_engine(block_size=4)
+    prompt = prompt_ids(b, 10)
+    b.add_request("warm", prompt, SamplingParams(max_tokens=1))
+    run(b)  # its prompt's 2 whole blocks are in the prefix cache now
+    assert b.reserve("r", 10, prompt)
+    assert b.reserved_cached_tokens("r") == 8
+    mc = b.model_config
+    tail = torch.zeros(2, mc.num_kv_heads, mc.head_dim)
+    for layer in range(mc.num_layers):
+        b.import_kv("r", layer, 8, tail, tail)
+    other = [t + 1 for t in prompt[:8]] + prompt[8:]
+    with pytest.raises(ValueError, match="differ from the prompt the reservation found cached"):
+        b.start_decode("r", other, 5, SamplingParams())
+    with pytest.raises(ValueError, match="prompt_token_ids: 9 tokens"):
+        b.reserve("r2", 10, prompt[:9])
+    b.release("r")
+    assert b.stats().free_blocks == b.num_kv_blocks
+    assert b.reserve("plain", 10) and b.reserved_cached_tokens("plain") == 0  # no ids, no lookup

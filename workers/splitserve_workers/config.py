@@ -55,9 +55,11 @@ class RouterSettings:
     prefill_service: str = ""  # dns: headless Service host:port
     decode_service: str = ""
     prefill_policy: str = "cache_aware"
-    decode_policy: str = "most_free_blocks"
+    decode_policy: str = "cache_aware"
     max_request_bytes: int = 4 << 20
     log_requests: bool = False  # a JSON log line per generation request
+    # Reserve sends the prompt, so a decode worker skips the KV its prefix cache holds.
+    decode_kv_reuse: bool = True
 
 
 @dataclass

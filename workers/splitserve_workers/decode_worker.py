@@ -145,6 +145,12 @@ class DecodeRole:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"num_prompt_tokens: {n} must be in [1, {max_len}] (max_model_len)",
             )
+        given = len(request.prompt_token_ids)  # the list is built only once its size is right
+        if given not in (0, n):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids: {given} tokens, but num_prompt_tokens is {n}",
+            )
 
         def refuse(reason: str, label: str) -> pb.ReserveResponse:
             self.w.metrics.rejected(label)
@@ -161,7 +167,8 @@ class DecodeRole:
         if rid in self.reservations or rid in self._reserving:
             return refuse(f"duplicate request_id {rid!r}", "duplicate")
         self._reserving[rid] = False
-        call = asyncio.get_running_loop().run_in_executor(None, self.engine.reserve, rid, n)
+        prompt = list(request.prompt_token_ids) if given else None
+        call = asyncio.get_running_loop().run_in_executor(None, self.engine.reserve, rid, n, prompt)
         try:
             # Shielded: a cancelled RPC (client gone, deadline passed) does not stop the engine
             # call on its thread, and the blocks it takes must not outlive the caller.
@@ -182,14 +189,16 @@ class DecodeRole:
         if not ok:
             return refuse("no_free_blocks", "no_free_blocks")
         spec = self.w.spec
+        cached = self.engine.reserved_cached_tokens(rid)
         tracker = TransferTracker(
-            rid, n, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype
+            rid, n, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, cached
         )
         self.reservations.add(rid, tracker, time.monotonic())
         return pb.ReserveResponse(
             accepted=True,
             lease_ms=int(self.reservations.lease_s * 1000),
             free_blocks=self.engine.stats().free_blocks,
+            num_cached_tokens=cached,
         )
 
     def _fail(self, res: Reservation, code: grpc.StatusCode, message: str, reason: str) -> None:
@@ -252,8 +261,8 @@ class DecodeRole:
                         raise  # unreachable
                     self.reservations.touch(res, time.monotonic())
                     if payload is not None:
-                        layer, k, v = payload
-                        await self._import(res, layer, chunk.token_start, k, v, pending, context)
+                        layer, token_start, k, v = payload
+                        await self._import(res, layer, token_start, k, v, pending, context)
                     if chunk.last:
                         await self._settle_imports(res, pending, 0, context)
                         if not res.tracker.complete:

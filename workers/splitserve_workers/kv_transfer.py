@@ -351,7 +351,10 @@ class KVChunkError(Exception):
 
 
 class TransferTracker:
-    """What one reserved request must still receive: every prompt token of every layer, once.
+    """What one reserved request must still receive: every prompt token of every layer, once,
+    except the first `cached_tokens`, whose KV the decode worker already holds (its prefix
+    cache): chunks for those are validated like any other and then ignored, so a sender that
+    sends them anyway (one that predates the skip) still completes the transfer.
 
     Pure bookkeeping (no I/O): `accept` validates a chunk and returns torch views of its key and
     value, raising KVChunkError with INVALID_ARGUMENT for anything malformed or out of range.
@@ -365,6 +368,7 @@ class TransferTracker:
         num_kv_heads: int,
         head_dim: int,
         dtype: str,
+        cached_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.num_tokens = num_tokens
@@ -374,6 +378,7 @@ class TransferTracker:
         self.dtype = dtype
         self.torch_dtype = DTYPES[dtype]
         self.itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        self.cached_tokens = cached_tokens
         self._covered = [bytearray(num_tokens) for _ in range(num_layers)]
         self.received_token_layers = 0
         self.chunks = 0
@@ -381,7 +386,7 @@ class TransferTracker:
 
     @property
     def expected_token_layers(self) -> int:
-        return self.num_tokens * self.num_layers
+        return (self.num_tokens - self.cached_tokens) * self.num_layers
 
     @property
     def complete(self) -> bool:
@@ -390,10 +395,11 @@ class TransferTracker:
     def progress(self) -> str:
         return f"{self.received_token_layers} of {self.expected_token_layers} token-layers"
 
-    def accept(self, chunk: KVChunkView) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """Validate one chunk; returns (first layer, k, v) as views into the message, shaped
-        [tokens, kv_heads, head_dim] for one layer or [layers, tokens, kv_heads, head_dim] for a
-        batch of consecutive layers (what engine.import_kv takes); None for a bare last marker."""
+    def accept(self, chunk: KVChunkView) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
+        """Validate one chunk; returns (first layer, first token, k, v) as views into the
+        message, shaped [tokens, kv_heads, head_dim] for one layer or [layers, tokens, kv_heads,
+        head_dim] for a batch of consecutive layers (what engine.import_kv takes); None for a
+        bare last marker or a chunk of cached tokens only."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if chunk.malformed:
             raise KVChunkError(bad, chunk.malformed)
@@ -433,6 +439,12 @@ class TransferTracker:
                     f"{count} x kv_heads {self.num_kv_heads} x head_dim {self.head_dim} x "
                     f"{self.itemsize} bytes of {self.dtype})",
                 )
+        self.chunks += 1
+        self.bytes += len(chunk.key) + len(chunk.value)
+        skip = max(0, min(count, self.cached_tokens - start))  # leading tokens held already
+        start, count = start + skip, count - skip
+        if count == 0:
+            return None
         for layer in range(first, first + nl):
             if self._covered[layer].find(1, start, start + count) != -1:
                 raise KVChunkError(
@@ -445,14 +457,14 @@ class TransferTracker:
             self._covered[layer][start : start + count] = ones
         # One tensor view per side for the whole chunk: the engine imports every layer of a
         # batch in one call (per-layer views and calls cost more than the copy for small slices).
-        layer_shape = (count, self.num_kv_heads, self.head_dim)
+        layer_shape = (skip + count, self.num_kv_heads, self.head_dim)
         shape = (nl, *layer_shape) if nl > 1 else layer_shape
         k = torch.frombuffer(chunk.key, dtype=self.torch_dtype).view(shape)
         v = torch.frombuffer(chunk.value, dtype=self.torch_dtype).view(shape)
+        if skip:
+            k, v = k[..., skip:, :, :], v[..., skip:, :, :]
         self.received_token_layers += count * nl
-        self.chunks += 1
-        self.bytes += len(chunk.key) + len(chunk.value)
-        return first, k, v
+        return first, start, k, v
 
 
 # ---- prefill side: sending a transfer --------------------------------------------------------
@@ -769,6 +781,7 @@ class KVSender:
         timeout: float | None = None,
         hold_until_done: bool = False,
         batch_wait: float = BATCH_MAX_WAIT_S,
+        skip_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.endpoint = endpoint
@@ -776,7 +789,9 @@ class KVSender:
         self.dtype = dtype
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
-        self.expected_token_layers = num_tokens * num_layers
+        # The decode worker holds the first skip_tokens' KV (its prefix cache): not sent.
+        self.skip_tokens = skip_tokens
+        self.expected_token_layers = (num_tokens - skip_tokens) * num_layers
         self.sent_token_layers = 0  # counted in on_kv, i.e. queued
         self.queue = ChunkQueue(queue_bytes, batch_wait)
         self.bytes = 0
@@ -799,6 +814,11 @@ class KVSender:
         now = time.monotonic()
         if self.first_kv_at is None:
             self.first_kv_at = now
+        if token_start < self.skip_tokens:
+            held = min(int(k.shape[0]), self.skip_tokens - token_start)
+            if held == int(k.shape[0]):
+                return
+            k, v, token_start = k[held:], v[held:], token_start + held
         n = int(k.shape[0])
         nbytes = k.numel() * k.element_size()
         if 2 * nbytes <= self.chunk_bytes // SMALL_FRACTION and not self.hold_until_done:

@@ -76,6 +76,12 @@ class PrefillRole:
             await context.abort(invalid, "decode_endpoint: required (host:port of the reservation)")
         if not request.HasField("decode_model"):
             await context.abort(invalid, "decode_model: required (the decode worker's ModelSpec)")
+        if not 0 <= request.decode_cached_tokens < len(prompt):
+            await context.abort(
+                invalid,
+                f"decode_cached_tokens: {request.decode_cached_tokens} must be in "
+                f"[0, {len(prompt)}) (the prompt's last token is always sent)",
+            )
         # Before any compute or bytes: can that decode worker import our KV at all?
         why = check_compatible(self.w.spec, request.decode_model)
         if why is not None:
@@ -96,6 +102,7 @@ class PrefillRole:
             spec.num_layers,
             spec.dtype,
             hold_until_done=self.send_after_prefill,
+            skip_tokens=request.decode_cached_tokens,
         )
         sender.start()
         transfer = asyncio.wrap_future(sender.future)

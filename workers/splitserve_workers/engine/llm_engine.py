@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, replace
 
 import torch
@@ -77,6 +78,9 @@ class _Reservation:
     block_table: list[int]
     imported: list[bytearray]  # per layer, 1 per token already written
     slots: torch.Tensor  # [num_prompt_tokens] flat cache slot of each prompt token (on device)
+    # The prompt's leading tokens found in this engine's prefix cache at reserve (whole blocks):
+    # their KV is here already, so only the tokens after them are imported.
+    cached_token_ids: tuple[int, ...] = ()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -467,25 +471,57 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     # ---- decode side of a disaggregated transfer ---------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> bool:
-        """Allocates blocks for the prompt + the first token now; False if they are not free."""
+    def reserve(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        prompt_token_ids: SequenceT[int] | None = None,
+    ) -> bool:
+        """Allocates blocks for the prompt + the first token now; False if they are not free.
+        Given the prompt's ids, its leading full blocks found in the prefix cache are shared
+        instead (never the block of the last token): `reserved_cached_tokens` says how many
+        tokens those hold, whose KV then needs no import."""
         limit = self.model_config.max_model_len
         if not 1 <= num_prompt_tokens <= limit:
             raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} not in [1, {limit}]")
-        need = self.block_manager.blocks_for(num_prompt_tokens + 1)
+        if prompt_token_ids is not None and len(prompt_token_ids) != num_prompt_tokens:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt_token_ids)} tokens, but num_prompt_tokens is "
+                f"{num_prompt_tokens}"
+            )
+        bm = self.block_manager
         with self._lock:
             self._check_new_id(request_id)
-            if need > self.block_manager.num_free_blocks:
-                return False
-            table = self.block_manager.allocate(need)
+            cached = 0
+            if prompt_token_ids is not None and bm.enable_prefix_caching:
+                got = bm.allocate_with_prefix(prompt_token_ids, num_prompt_tokens + 1)
+                if got is None:
+                    return False
+                table, hashes = got
+                cached = len(hashes) * bm.block_size
+            else:
+                need = bm.blocks_for(num_prompt_tokens + 1)
+                if need > bm.num_free_blocks:
+                    return False
+                table = bm.allocate(need)
+            imported = [bytearray(num_prompt_tokens) for _ in range(self.model_config.num_layers)]
+            for marks in imported:
+                marks[:cached] = b"\x01" * cached
             self._reservations[request_id] = _Reservation(
                 num_prompt_tokens,
                 table,
-                [bytearray(num_prompt_tokens) for _ in range(self.model_config.num_layers)],
+                imported,
                 # Computed once here: import_kv runs once per chunk and only slices it.
                 self.model_runner.slots(table, 0, num_prompt_tokens).to(self.device),
+                tuple(prompt_token_ids[:cached]) if prompt_token_ids is not None else (),
             )
             return True
+
+    def reserved_cached_tokens(self, request_id: str) -> int:
+        """Tokens of a reservation's prompt whose KV was already cached here (0 if none)."""
+        with self._lock:
+            r = self._reservations.get(request_id)
+            return len(r.cached_token_ids) if r is not None else 0
 
     def import_kv(
         self, request_id: str, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor
@@ -550,6 +586,13 @@ class LLMEngine:
                 raise ValueError(
                     f"prompt_token_ids: {len(prompt_token_ids)} tokens, the reservation is for "
                     f"{r.num_prompt_tokens}"
+                )
+            cached = len(r.cached_token_ids)
+            if tuple(prompt_token_ids[:cached]) != r.cached_token_ids:
+                # The cached blocks hold the KV of the prompt given at reserve, not this one.
+                raise ValueError(
+                    f"prompt_token_ids: the first {cached} tokens differ from the prompt the "
+                    "reservation found cached"
                 )
             for layer, marks in enumerate(r.imported):
                 missing = marks.count(0)

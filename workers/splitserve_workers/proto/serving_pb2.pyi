@@ -88,30 +88,34 @@ class PromptLogprobs(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "model", "num_prompt_tokens", "max_tokens", "priority")
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "max_tokens", "priority", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: ModelSpec
     num_prompt_tokens: int
     max_tokens: int
     priority: Priority
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "lease_ms", "free_blocks")
+    __slots__ = ("accepted", "reason", "lease_ms", "free_blocks", "num_cached_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     lease_ms: int
     free_blocks: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_ms: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_ms: _Optional[int] = ..., free_blocks: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "layer", "token_start", "token_count", "dtype", "key", "value", "last", "layer_count")
@@ -192,20 +196,22 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "decode_endpoint", "decode_model")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "decode_endpoint", "decode_model", "decode_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     priority: Priority
     decode_endpoint: str
     decode_model: ModelSpec
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., decode_endpoint: _Optional[str] = ..., decode_model: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
+    decode_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., decode_endpoint: _Optional[str] = ..., decode_model: _Optional[_Union[ModelSpec, _Mapping]] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "transfer_done")

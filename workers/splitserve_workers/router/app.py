@@ -76,7 +76,7 @@ class RouterOptions:
     service: str = "local"
     discovery: Discovery = field(default_factory=StaticDiscovery)
     prefill_policy: str = "cache_aware"
-    decode_policy: str = "most_free_blocks"
+    decode_policy: str = "cache_aware"
     colocated_policy: str = "cache_aware"
     max_request_bytes: int = 4 << 20
     poll_interval: float = 0.5
@@ -588,6 +588,8 @@ def log_request(
             "prompt_tokens": usage["prompt_tokens"],
             "completion_tokens": usage["completion_tokens"],
             "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+            "kv_reused_tokens": sum(r.flow.stats.decode_cached_tokens for r in answer.runs),
+            "kv_bytes": sum(r.flow.stats.kv_transfer_bytes for r in answer.runs),
             "finish_reasons": [run.finish_reason for run in answer.runs],
             "priority": answer.req.priority,
             "stream": answer.req.stream,
@@ -1030,6 +1032,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "zero, or every worker restarting) before its 503 (default: --admission-timeout)",
     )
     parser.add_argument(
+        "--no-decode-kv-reuse",
+        action="store_true",
+        help="send every prompt's whole KV to the decode worker, even the blocks its prefix "
+        "cache holds (an ablation for benchmarks)",
+    )
+    parser.add_argument(
         "--debug-endpoints",
         action="store_true",
         help="serve /debug/workers (worker addresses, health and load) on the API port",
@@ -1131,6 +1139,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         flow=FlowSettings(
             admission_timeout_seconds=args.admission_timeout,
             empty_pool_wait_seconds=args.empty_pool_wait,
+            decode_kv_reuse=rs.decode_kv_reuse and not args.no_decode_kv_reuse,
         ),
         drain_timeout=args.drain_timeout,
         ready_without_workers=args.ready_without_workers,

@@ -61,6 +61,8 @@ class FlowStats:
     kv_transfer_exposed_seconds: float | None = None
     kv_transfer_bytes: int = 0
     num_cached_tokens: int = 0
+    # Prompt tokens whose KV the decode worker held already (its prefix cache): not transferred.
+    decode_cached_tokens: int = 0
     prefill_attempts: int = 0
     prefill_endpoint: str = ""
     decode_endpoint: str = ""
@@ -73,6 +75,8 @@ class FlowSettings:
     # Waiting for any worker of a pool that has none (one at zero replicas waking up, or every
     # worker restarting); None: the admission timeout.
     empty_pool_wait_seconds: float | None = None
+    # Reserve sends the prompt, so the decode worker skips the KV its prefix cache holds.
+    decode_kv_reuse: bool = True
 
     @property
     def empty_pool_wait(self) -> float:
@@ -324,6 +328,8 @@ class Flow:
         assert self.decode is not None
         start = time.monotonic()
         deadline = start + self.settings.admission_timeout_seconds
+        # Hashed in the decode workers' block size (cache_aware picks by what they hold).
+        key = self.decode.prompt_key(self.req.prompt_token_ids)
         empty_until: float | None = None
         last_reason = "no decode workers"
         while True:
@@ -332,7 +338,7 @@ class Flow:
             # never hold (too long for its cache or its context limit).
             incompatible = too_big = 0
             too_small: dict[str, tuple[str, str | None]] = {}  # endpoint -> (why, field)
-            while (worker := self.decode.pick(tried)) is not None:
+            while (worker := self.decode.pick(tried, key)) is not None:
                 tried.add(worker.load.endpoint)
                 if (refusal := self.req.too_big_for(worker)) is not None:
                     too_small[worker.load.endpoint] = refusal
@@ -347,6 +353,11 @@ class Flow:
                             num_prompt_tokens=len(self.req.prompt_token_ids),
                             max_tokens=self.req.max_tokens,
                             priority=self.req.priority,
+                            # The worker looks the prompt up in its prefix cache: what it
+                            # holds (earlier turns it generated) need not travel.
+                            prompt_token_ids=(
+                                self.req.prompt_token_ids if self.settings.decode_kv_reuse else ()
+                            ),
                         ),
                         timeout=self.settings.rpc_timeout_seconds,
                     )
@@ -371,6 +382,8 @@ class Flow:
                     worker.load.pending_requests += 1
                     self.stats.decode_admission_seconds = time.monotonic() - start
                     self.stats.decode_endpoint = worker.load.endpoint
+                    self.stats.decode_cached_tokens = resp.num_cached_tokens
+                    self.decode.sent(worker, key)  # it holds the prompt's blocks from now on
                     return worker
                 last_reason = f"{worker.load.endpoint}: {resp.reason}"
                 worker.load.free_blocks = resp.free_blocks
@@ -477,6 +490,7 @@ class Flow:
                         priority=req.priority,
                         decode_endpoint=decode.load.endpoint,
                         decode_model=decode.model,
+                        decode_cached_tokens=self.stats.decode_cached_tokens,
                     )
                 )
                 try:

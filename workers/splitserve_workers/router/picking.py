@@ -4,7 +4,8 @@ channel per endpoint from discovery.py and polls Load. Prefill goes to the worke
 the pool the least prompt work, counting the prefix each worker likely still caches
 (`cache_aware`, from the prompts this router sent it: `PrefixIndex`), so a conversation's next
 turn or a shared system prompt lands where its KV already is; decode goes to the most free KV
-blocks (admission is block-bound)."""
+blocks (admission is block-bound), counting the prompt's blocks a worker holds as free (they are
+shared, not allocated, and not transferred again)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from splitserve_workers.router.discovery import Discovery
 log = logging.getLogger("splitserve.router")
 
 PREFILL_POLICIES = ("cache_aware", "least_queued_tokens", "round_robin", "random")
-DECODE_POLICIES = ("most_free_blocks", "round_robin", "random")
+DECODE_POLICIES = ("cache_aware", "most_free_blocks", "round_robin", "random")
 COLOCATED_POLICIES = ("least_loaded", "cache_aware", "most_free_blocks", "round_robin", "random")
 
 # PrefixIndex: block hashes remembered (LRU), an OrderedDict slot plus a small dict each: about
@@ -205,6 +206,18 @@ def choose(
         return min(candidates, key=lambda w: (w.effective_queued_tokens(), w.pending_requests))
     if policy == "most_free_blocks":
         return max(candidates, key=lambda w: (w.effective_free_blocks(), -w.pending_requests))
+    if policy == "most_free_blocks_after_reuse":
+        # Decode's cache_aware (WorkerPool.pick): the most free blocks once the reservation
+        # is made, where the blocks of the prompt a worker holds need no new ones (and their
+        # KV no transfer). Without hits, most_free_blocks.
+        held = cached_tokens or {}
+        return max(
+            candidates,
+            key=lambda w: (
+                w.effective_free_blocks() + held.get(w.endpoint, 0),
+                -w.pending_requests,
+            ),
+        )
     if policy == "least_loaded":
         return min(
             candidates,
@@ -363,8 +376,14 @@ class WorkerPool:
         if self.policy != "cache_aware" or prompt is None:
             load = choose(loads, self.policy, exclude, self._counter)
             return None if load is None else self.workers[load.endpoint]
+        matched = self.prefixes.matched_blocks(prompt.hashes)
+        if self.role == "decode":
+            load = choose(
+                loads, "most_free_blocks_after_reuse", exclude, self._counter, None, 0, matched
+            )
+            return None if load is None else self.workers[load.endpoint]
         block = self.block_size()
-        cached = {e: n * block for e, n in self.prefixes.matched_blocks(prompt.hashes).items()}
+        cached = {e: n * block for e, n in matched.items()}
         load = choose(loads, self.policy, exclude, self._counter, None, prompt.tokens, cached)
         return None if load is None else self.workers[load.endpoint]
 
