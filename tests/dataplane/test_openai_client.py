@@ -869,3 +869,37 @@ def test_each_request_logs_one_json_line(stack: dict[str, Any]) -> None:
         and "maximum context length" in x["error"]
         for x in refused
     )
+
+
+def test_a_prompts_tokens_count_once_in_the_metrics(stack: dict[str, Any]) -> None:
+    """splitserve_prompt_tokens_total counts a prompt once however many choices it has, as
+    usage does (it counted every copy's, and copies never started for a refused request)."""
+    c = client(stack)
+    before = _metric(stack, "splitserve_prompt_tokens_total")
+    many = c.completions.create(
+        model="tiny", prompt=[PROMPTS[0], PROMPTS[1]], n=4, max_tokens=2, temperature=1.0
+    )
+    assert many.usage is not None and len(many.choices) == 8
+    assert _metric(stack, "splitserve_prompt_tokens_total") == before + many.usage.prompt_tokens
+
+
+def test_n_choices_continuous_usage_counts_what_was_streamed(stack: dict[str, Any]) -> None:
+    """continuous_usage_stats with several choices: each chunk's completion_tokens is the
+    tokens streamed so far, not those generated (the choices run ahead of the stream)."""
+    body = {
+        "model": "tiny",
+        "prompt": [PROMPTS[0], PROMPTS[2]],
+        "n": 3,
+        "max_tokens": 12,
+        "logprobs": 0,  # each chunk lists its tokens
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    *chunks, last, done = _sse_events(stack, "/v1/completions", body)
+    assert done == "[DONE]" and last["choices"] == []
+    streamed = 0
+    for chunk in chunks:
+        streamed += len(chunk["choices"][0]["logprobs"]["tokens"])
+        assert chunk["usage"]["completion_tokens"] == streamed
+    assert streamed == last["usage"]["completion_tokens"] == 6 * 12

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -548,8 +549,9 @@ class Router:
             finally:
                 self.answers.discard(answer)
                 status = answer.status
-                for run in runs:
-                    run.record(answer.status)
+                for k, run in enumerate(runs):
+                    # A prompt's tokens count once, as in usage: its first copy's.
+                    run.record(answer.status, count_prompt=k % req.n == 0)
         except FlowError as e:
             status = "rejected" if e.status < 500 or e.code == "no_capacity" else "error"
             error = api.APIError(e.status, e.message, param=e.param, code=e.code)
@@ -637,6 +639,11 @@ class _Run:
         )
         self.token_times: list[tuple[float, int]] = []  # (arrival at router, tokens in event)
         self.num_tokens = 0
+        # The answer's count of this choice's tokens handed to it so far (continuous usage:
+        # choices run ahead of the stream by up to the queue between them), and the count
+        # after each chunk not yet handed over.
+        self.delivered = 0
+        self.counts: collections.deque[int] = collections.deque()
         self.finish_reason: str | None = None
         self.first = True  # no chunk of this choice has gone out yet
         self.sent = b""  # bytes of the tokens whose logprobs went out (for text_offset)
@@ -648,6 +655,7 @@ class _Run:
         try:
             async for chunk in tokens:
                 self._observe(chunk)
+                self.counts.append(self.num_tokens)
                 text = self.detok.add(chunk.token_ids)
                 entries = self._logprobs(chunk)
                 if self.detok.stopped:
@@ -710,11 +718,13 @@ class _Run:
             self.token_times.append((time.monotonic(), len(chunk.token_ids)))
             self.num_tokens += len(chunk.token_ids)
 
-    def record(self, status: str) -> None:
-        """Edge metrics for this choice, given its request's outcome."""
+    def record(self, status: str, count_prompt: bool = True) -> None:
+        """Edge metrics for this choice, given its request's outcome; `count_prompt`: its
+        prompt's tokens too (a prompt's n copies count it once, as usage does)."""
         m = self.router.metrics
         labels = self.router.labels
-        m.prompt_tokens.labels(**labels).inc(len(self.prompt_ids))
+        if count_prompt:
+            m.prompt_tokens.labels(**labels).inc(len(self.prompt_ids))
         if self.num_tokens:
             m.generation_tokens.labels(**labels).inc(self.num_tokens)
         stats = self.flow.stats
@@ -805,6 +815,7 @@ class _Answer:
             chunks = run.chunks()
             try:
                 async for item in chunks:
+                    run.delivered = run.counts.popleft()
                     yield run, item
             finally:
                 await chunks.aclose()  # type: ignore[attr-defined]
@@ -819,15 +830,31 @@ class _Answer:
             tasks.append(asyncio.create_task(pump(run, copies)))
 
         async def pump(run: _Run, copies: list[_Run]) -> None:
+            chunks = run.chunks()
             try:
-                async for item in run.chunks():
+                async for item in chunks:
                     for copy in copies:
                         start(copy, [])
                     copies = []
                     await queue.put((run, item, None))
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the request is ending (below): nobody reads the queue any more
+                # Not this task's cancellation: a gRPC call cancelled under the flow (grpc.aio
+                # raises CancelledError when the router closes a retired worker's channel).
+                # Unreported, the other choices' consumer waited for this one forever.
+                error = FlowError(502, f"choice {run.index}: the worker call was cancelled")
+                await queue.put((run, None, error))
+                return
             except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
                 await queue.put((run, None, e))
                 return
+            finally:
+                # Closed now even when cancelled while waiting on the queue (the generator
+                # suspended at a yield): its flow's aborts go out at once, not at garbage
+                # collection.
+                await chunks.aclose()  # type: ignore[attr-defined]
             for copy in copies:  # (a flow ends with a token, but the count must not hang)
                 start(copy, [])
             await queue.put((run, None, None))
@@ -844,19 +871,20 @@ class _Answer:
                 if chunk is None:
                     running -= 1
                 else:
+                    run.delivered = run.counts.popleft()
                     yield run, chunk
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self, delivered: bool = False) -> dict[str, Any]:
         """A prompt's tokens count once however many choices it has (as OpenAI's): its first
         copy's prefill, whose cached tokens are the prompt's `cached_tokens`."""
         firsts = self.runs[:: self.req.n]
         return api.usage(
             sum(len(run.prompt_ids) for run in firsts),
-            sum(run.num_tokens for run in self.runs),
+            sum(run.delivered if delivered else run.num_tokens for run in self.runs),
             sum(run.flow.stats.num_cached_tokens for run in firsts),
         )
 
@@ -902,7 +930,8 @@ class _Answer:
         if self.req.include_usage:
             # OpenAI: every chunk before the usage chunk carries `usage: null`; with
             # continuous_usage_stats, the totals so far.
-            chunk["usage"] = self.usage() if self.req.continuous_usage else None
+            # (What went out so far: other choices' tokens still queued are not yet.)
+            chunk["usage"] = self.usage(delivered=True) if self.req.continuous_usage else None
         return chunk
 
     async def stream(self, request: web.Request) -> web.StreamResponse:

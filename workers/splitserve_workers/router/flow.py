@@ -188,6 +188,11 @@ async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
         await worker.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=timeout)
     except grpc.aio.AioRpcError as e:
         log.debug("abort %s on %s: %s", request_id, worker.load.endpoint, e.code())
+    except grpc.aio.UsageError:
+        # The worker's channel closed meanwhile (it left discovery and its grace ran out, or
+        # the router is stopping): its calls ended with it. Unhandled, each of a request's
+        # choices logged "Task exception was never retrieved" with a traceback.
+        log.debug("abort %s on %s: channel closed", request_id, worker.load.endpoint)
 
 
 def _rpc_reason(e: grpc.aio.AioRpcError) -> str:
