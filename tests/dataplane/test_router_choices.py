@@ -86,3 +86,12 @@ async def test_a_choice_blocked_on_a_slow_consumer_is_closed_when_the_request_en
     await asyncio.sleep(0.05)  # both pumps fill the queue and wait on it
     await gen.aclose()
     assert all(run.closed for run in runs)
+
+
+async def test_a_single_choice_whose_call_is_cancelled_under_it_is_an_error() -> None:
+    # n=1 takes the direct path: the same fault is a 502 (an error event once streaming), not
+    # a CancelledError that drops the client's connection as if it had hung up.
+    runs = [FakeRun(0, [("a", None, [])], asyncio.CancelledError())]
+    with pytest.raises(FlowError, match="cancelled"):
+        await asyncio.wait_for(drain(answer(runs, 1)), timeout=5)
+    assert runs[0].closed

@@ -817,6 +817,13 @@ class _Answer:
                 async for item in chunks:
                     run.delivered = run.counts.popleft()
                     yield run, item
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the client left, or the drain deadline cut the request
+                # A gRPC call cancelled under the flow (a retired worker's channel closed):
+                # the client gets an error, not a dropped connection.
+                raise FlowError(502, "the worker call was cancelled") from None
             finally:
                 await chunks.aclose()  # type: ignore[attr-defined]
             return
