@@ -815,6 +815,7 @@ def test_crd_defaults_and_printer_columns(
         "replicas": 1,
         "port": 8000,
         "serviceType": "ClusterIP",
+        "logRequests": False,
         "topologySpread": {
             "enabled": True,
             "maxSkew": 1,
