@@ -16,6 +16,7 @@ once for each token generated at all (output only, not the prompt) are subtracte
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -144,12 +145,16 @@ class PenaltyState:
     sequence across steps: a step adds only the tokens appended since the last one instead of
     turning the whole history into tensors again, and the penalties then touch only the
     distinct tokens seen (`seen_ids`: prompt or output, for repetition_penalty; `out_ids` and
-    `counts`: output, for frequency/presence). The history only grows (preemption keeps it)."""
+    `out_counts`, aligned: output, for frequency/presence). The history only grows (preemption
+    keeps it). Only `seen` spans the vocabulary (one byte per token id: 152 KB at Qwen's
+    152k); the output counts are kept per distinct token, where a dense float32 row cost
+    another 608 KB per sequence."""
 
-    __slots__ = ("seen", "seen_ids", "counts", "out_ids", "num_tokens")
+    __slots__ = ("seen", "seen_ids", "out_ids", "out_counts", "_slot", "num_tokens")
 
     def __init__(self) -> None:
-        self.seen = self.seen_ids = self.counts = self.out_ids = torch.empty(0)
+        self.seen = self.seen_ids = self.out_ids = self.out_counts = torch.empty(0)
+        self._slot: dict[int, int] = {}  # token id -> its index in out_ids / out_counts
         self.num_tokens = 0
 
     def update(
@@ -157,8 +162,9 @@ class PenaltyState:
     ) -> PenaltyState:
         if self.seen.numel() != vocab or self.seen.device != device:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
             self.seen_ids = self.out_ids = torch.zeros(0, dtype=torch.long, device=device)
+            self.out_counts = torch.zeros(0, dtype=torch.float32, device=device)
+            self._slot = {}
             self.num_tokens = 0
         start = self.num_tokens
         if len(token_ids) <= start:
@@ -168,11 +174,30 @@ class PenaltyState:
         fresh = torch.unique(new[~self.seen[new]])
         self.seen[fresh] = True
         self.seen_ids = torch.cat((self.seen_ids, fresh))
-        out = new[max(num_prompt - start, 0) :]
-        if out.numel():
-            distinct = torch.unique(out)
-            self.out_ids = torch.cat((self.out_ids, distinct[self.counts[distinct] == 0]))
-            self.counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+        # The output's counts, on the host: a decode step adds one token.
+        added = Counter(t for t in token_ids[max(start, num_prompt) :] if 0 <= t < vocab)
+        if added:
+            first_seen, first_counts, seen_again, again_counts = [], [], [], []
+            for token, count in added.items():
+                slot = self._slot.get(token)
+                if slot is None:
+                    self._slot[token] = len(self._slot)
+                    first_seen.append(token)
+                    first_counts.append(float(count))
+                else:
+                    seen_again.append(slot)
+                    again_counts.append(float(count))
+            if seen_again:
+                self.out_counts.index_add_(
+                    0,
+                    torch.tensor(seen_again, dtype=torch.long, device=device),
+                    torch.tensor(again_counts, dtype=torch.float32, device=device),
+                )
+            if first_seen:
+                ids = torch.tensor(first_seen, dtype=torch.long, device=device)
+                counts = torch.tensor(first_counts, dtype=torch.float32, device=device)
+                self.out_ids = torch.cat((self.out_ids, ids))
+                self.out_counts = torch.cat((self.out_counts, counts))
         self.num_tokens = len(token_ids)
         return self
 
@@ -210,8 +235,7 @@ def adjust_logits(
                 scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty
             )
         if (p.frequency_penalty or p.presence_penalty) and state.out_ids.numel():
-            ids = state.out_ids
-            row[ids] -= p.frequency_penalty * state.counts[ids] + p.presence_penalty
+            row[state.out_ids] -= p.frequency_penalty * state.out_counts + p.presence_penalty
     return out
 
 
