@@ -670,16 +670,22 @@ def test_the_router_process_never_loads_torch(stack: dict[str, Any]) -> None:
 # ---- several choices: `n`, and a batch of prompts -------------------------------------------
 
 
-def _metric(stack: dict[str, Any], name: str, **labels: str) -> float:
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` with these labels on the /metrics page at `url` (a
+    router's, or a worker's metrics port)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(stack["base"] + "/metrics", timeout=30).text
+    text = httpx.get(url, timeout=30).text
     return sum(
         s.value
         for f in text_string_to_metric_families(text)
         for s in f.samples
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def _metric(stack: dict[str, Any], name: str, **labels: str) -> float:
+    return metric(stack["base"] + "/metrics", name, **labels)
 
 
 def test_n_choices_sample_with_consecutive_seeds(stack: dict[str, Any]) -> None:
@@ -796,16 +802,8 @@ def test_a_batch_refuses_the_prompt_that_is_too_long(stack: dict[str, Any]) -> N
 
 
 def _generated_on_decode(stack: dict[str, Any]) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    port = stack["decode"].metrics_port
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "splitserve_generation_tokens_processed_total"
-    )
+    url = f"http://127.0.0.1:{stack['decode'].metrics_port}/metrics"
+    return metric(url, "splitserve_generation_tokens_processed_total")
 
 
 def test_n_choices_hung_up_on_mid_stream_are_aborted(stack: dict[str, Any]) -> None:

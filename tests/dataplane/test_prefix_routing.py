@@ -6,14 +6,13 @@ round-robin sends the next turn to the other worker, which computes it all again
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_openai_client import wait_ready
+from test_openai_client import metric, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -98,9 +97,9 @@ def test_a_conversation_returns_to_the_worker_that_caches_it(
 def cache_queries(worker: Any) -> float:
     """Prompt blocks this worker has looked up in its prefix cache so far (one per block of
     every prompt it prefilled)."""
-    text = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=30).text
-    m = re.search(r"^splitserve_prefix_cache_queries_total\{[^}]*\} (\S+)$", text, re.M)
-    return float(m[1]) if m else 0.0
+    return metric(
+        f"http://127.0.0.1:{worker.metrics_port}/metrics", "splitserve_prefix_cache_queries_total"
+    )
 
 
 def test_new_conversations_arriving_together_spread(
@@ -125,9 +124,9 @@ def test_new_conversations_arriving_together_spread(
 
 
 def prefix_hits(worker: Any) -> float:
-    text = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=30).text
-    m = re.search(r"^splitserve_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
-    return float(m[1]) if m else 0.0
+    return metric(
+        f"http://127.0.0.1:{worker.metrics_port}/metrics", "splitserve_prefix_cache_hits_total"
+    )
 
 
 def test_the_copies_of_a_prompt_reuse_its_first_prefill(
@@ -157,9 +156,7 @@ def test_the_copies_of_a_prompt_reuse_its_first_prefill(
 
 
 def kv_bytes_sent(base: str) -> float:
-    text = httpx.get(base + "/metrics", timeout=30).text
-    m = re.search(r"^splitserve_kv_transfer_bytes_total\{[^}]*\} (\S+)$", text, re.M)
-    return float(m[1]) if m else 0.0
+    return metric(base + "/metrics", "splitserve_kv_transfer_bytes_total")
 
 
 def test_kv_the_decode_worker_holds_is_not_sent_again(

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from splitserve_workers.proto import serving_pb2
-from splitserve_workers.router.picking import Worker, WorkerLoad, WorkerPool
+from splitserve_workers.router.picking import PromptKey, Worker, WorkerLoad, WorkerPool
 
 log = logging.getLogger("splitserve.router")
 
@@ -327,14 +327,14 @@ class Flow:
         await pool.wait_for_change(min(until - now, 1.0))
         return until
 
-    async def _reserve(self, worker_rid: str, source: serving_pb2.ModelSpec) -> Worker:
+    async def _reserve(
+        self, worker_rid: str, source: serving_pb2.ModelSpec, key: PromptKey
+    ) -> Worker:
         """A decode worker holding blocks for the prompt; `source` is the ModelSpec of the
         prefill worker whose KV it will receive (the decode side checks compatibility)."""
         assert self.decode is not None
         start = time.monotonic()
         deadline = start + self.settings.admission_timeout_seconds
-        # Hashed in the decode workers' block size (cache_aware picks by what they hold).
-        key = self.decode.prompt_key(self.req.prompt_token_ids)
         empty_until: float | None = None
         last_reason = "no decode workers"
         while True:
@@ -435,6 +435,8 @@ class Flow:
         worker_rid = req.request_id
         failed_prefill: set[str] = set()
         key = self.prefill.prompt_key(req.prompt_token_ids)
+        # Decode's cache_aware picks by what its workers hold, hashed in their block size.
+        decode_key = self.decode.prompt_key(req.prompt_token_ids, known=key)
         try:
             # ---- reserve + prefill, retried on another prefill worker ----
             last_error = ""
@@ -447,10 +449,10 @@ class Flow:
                 worker_rid = req.request_id if attempt == 0 else f"{req.request_id}.r{attempt}"
                 # Recorded in the prefix index only when sent (below): the reservation may
                 # fail, or another worker take this one's place.
-                prefill = self.prefill.pick(failed_prefill, key)
+                prefill, cached = self.prefill.pick_cached(failed_prefill, key)
                 if prefill is None and failed_prefill:
                     # Every worker failed once: try again anyway.
-                    prefill = self.prefill.pick(prompt=key)
+                    prefill, cached = self.prefill.pick_cached(prompt=key)
                 if prefill is None:
                     # None now (a pool at zero waking up, or every worker restarting): wait.
                     wait_until = await self._wait_for_workers(
@@ -460,10 +462,10 @@ class Flow:
                 # Claimed now, before the reservation's await: requests arriving together all
                 # pick before any reservation returns, and unclaimed they all picked the same
                 # idle worker (a burst of new conversations then shared one prefill worker).
-                claimed = key.tokens - self.prefill.likely_cached(prefill, key)
+                claimed = key.tokens - cached
                 claimed_at = _claim(prefill.load, claimed)
                 try:
-                    decode = await self._reserve(worker_rid, prefill.model)
+                    decode = await self._reserve(worker_rid, prefill.model, decode_key)
                 except BaseException:
                     _unclaim(prefill.load, claimed, claimed_at)
                     raise
@@ -472,11 +474,11 @@ class Flow:
                     # worker picked before it may have died or started draining meanwhile.
                     # Another with the same ModelSpec (the one the reservation was checked
                     # against) takes its place instead of wasting an attempt.
-                    other = self.prefill.pick(failed_prefill, key)
+                    other, cached = self.prefill.pick_cached(failed_prefill, key)
                     if other is not None and other.model == prefill.model:
                         _unclaim(prefill.load, claimed, claimed_at)
                         prefill = other
-                        claimed = key.tokens - self.prefill.likely_cached(prefill, key)
+                        claimed = key.tokens - cached
                         claimed_at = _claim(prefill.load, claimed)
                 if prefill.load.reports != claimed_at:
                     # A Load report landed while the reservation waited: it was taken before
@@ -607,7 +609,7 @@ class Flow:
             while True:
                 if len(failed) >= self.settings.max_prefill_attempts:
                     raise FlowError(502, f"failed on {len(failed)} worker(s): {last_error}")
-                worker = self.colocated.pick(failed | too_small.keys(), key)
+                worker, cached = self.colocated.pick_cached(failed | too_small.keys(), key)
                 if worker is None:
                     if failed:
                         raise FlowError(502, f"every colocated worker failed: {last_error}")
@@ -624,7 +626,7 @@ class Flow:
                 if (refusal := req.too_big_for(worker)) is not None:
                     too_small[worker.load.endpoint] = refusal
                     continue
-                claimed = key.tokens - self.colocated.likely_cached(worker, key)
+                claimed = key.tokens - cached
                 sent_at_report = _claim(worker.load, claimed)
                 self.colocated.sent(worker, key)
                 self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint

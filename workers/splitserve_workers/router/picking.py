@@ -92,6 +92,7 @@ class PromptKey:
 
     tokens: int
     hashes: list[int] = field(default_factory=list)
+    block_size: int = 0  # the block size the hashes are in
 
 
 class PrefixIndex:
@@ -359,37 +360,52 @@ class WorkerPool:
         worker.model = report.model
         worker.last_report = time.monotonic()
 
-    def prompt_key(self, prompt: Sequence[int]) -> PromptKey:
+    def prompt_key(self, prompt: Sequence[int], known: PromptKey | None = None) -> PromptKey:
         """What cache_aware picks by: the prompt's length and its block hashes (none for the
-        other policies). Hashed once per request, not at every pick and again when sent."""
+        other policies). Hashed once per request, not at every pick and again when sent;
+        `known`, the same prompt's key from another pool, is reused when hashed in this pool's
+        block size (prefill and decode workers usually share it)."""
         if self.policy != "cache_aware" or not prompt:
             return PromptKey(len(prompt))
-        return PromptKey(len(prompt), self.prefixes.hashes(prompt, self.block_size()))
+        block = self.block_size()
+        if known is not None and known.hashes and known.block_size == block:
+            return known
+        return PromptKey(len(prompt), self.prefixes.hashes(prompt, block), block)
 
     def pick(
         self, exclude: set[str] | frozenset[str] = frozenset(), prompt: PromptKey | None = None
     ) -> Worker | None:
         """The worker for a request; with `cache_aware`, `prompt` (prompt_key) ranks workers by
         what they likely cache. Nothing is recorded until `sent`."""
+        return self.pick_cached(exclude, prompt)[0]
+
+    def pick_cached(
+        self, exclude: set[str] | frozenset[str] = frozenset(), prompt: PromptKey | None = None
+    ) -> tuple[Worker | None, int]:
+        """`pick`, and how many of the prompt's tokens the picked worker likely caches (0
+        unless `cache_aware`): what it will not compute, so what the pick queues there is the
+        rest. One walk of the prefix index for both."""
         self._counter += 1
         loads = [w.load for w in self.workers.values()]
         if self.policy != "cache_aware" or prompt is None:
             load = choose(loads, self.policy, exclude, self._counter)
-            return None if load is None else self.workers[load.endpoint]
+            return (None if load is None else self.workers[load.endpoint]), 0
         matched = self.prefixes.matched_blocks(prompt.hashes)
+        block = self.block_size()
         if self.role == "decode":
             load = choose(
                 loads, "most_free_blocks_after_reuse", exclude, self._counter, None, 0, matched
             )
-            return None if load is None else self.workers[load.endpoint]
-        block = self.block_size()
-        cached = {e: n * block for e, n in matched.items()}
-        load = choose(loads, self.policy, exclude, self._counter, None, prompt.tokens, cached)
-        return None if load is None else self.workers[load.endpoint]
+        else:
+            cached = {e: n * block for e, n in matched.items()}
+            load = choose(loads, self.policy, exclude, self._counter, None, prompt.tokens, cached)
+        if load is None:
+            return None, 0
+        return self.workers[load.endpoint], matched.get(load.endpoint, 0) * block
 
     def likely_cached(self, worker: Worker, prompt: PromptKey) -> int:
         """Tokens of the prompt that `worker` likely holds in its prefix cache (0 unless
-        `cache_aware`): what it will not compute, so what a pick queues there is the rest."""
+        `cache_aware`)."""
         if not prompt.hashes:
             return 0
         blocks = self.prefixes.matched_blocks(prompt.hashes).get(worker.load.endpoint, 0)
