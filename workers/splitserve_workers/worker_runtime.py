@@ -452,6 +452,7 @@ def sampling_from_proto(p: serving_pb2.SamplingParams) -> Any:
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=_at_least(p.repetition_penalty or 1.0, MIN_REPETITION_PENALTY),
         logit_bias=dict(p.logit_bias),
+        grammar=p.grammar or None,
     )
     try:
         params.validate()  # the engine checks logit_bias token ids against its vocabulary

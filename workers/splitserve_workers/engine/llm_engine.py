@@ -33,10 +33,16 @@ import torch
 
 from splitserve_workers.engine.block_manager import BlockManager
 from splitserve_workers.engine.config import EngineConfig
+from splitserve_workers.engine.grammar import GrammarError, Grammars
 from splitserve_workers.engine.loader import load_model
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.model_runner import ModelRunner
-from splitserve_workers.engine.sampling import SamplingParams, prompt_logprobs, sample
+from splitserve_workers.engine.sampling import (
+    SamplingParams,
+    prompt_logprobs,
+    sample,
+    unpack_bitmask,
+)
 from splitserve_workers.engine.scheduler import Scheduler
 from splitserve_workers.engine.sequence import (
     OnKV,
@@ -117,6 +123,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
         self.tokenizer = Tokenizer(config.model)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer.to_json(), mc.vocab_size, list(self.eos_token_ids))
         self.model = load_model(config.model, mc, self.dtype, self.device)
         self.block_size = config.block_size
         per_block = self.block_size * self.kv_bytes_per_token()
@@ -210,6 +217,11 @@ class LLMEngine:
             seq.on_kv = _guard(seq, on_kv)
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device)
+        if params.grammar is not None:
+            try:  # compiled here, on the caller's thread, not in the step loop
+                seq.matcher = self.grammars.matcher(params.grammar)
+            except GrammarError as e:
+                raise ValueError(f"grammar: {e}") from e
         return seq
 
     def add_request(
@@ -323,6 +335,7 @@ class LLMEngine:
                 [s.generator for s in sampled],
                 [(s.token_ids, s.num_prompt_tokens) for s in sampled] if penalized else None,
                 [s.penalty_state for s in sampled] if penalized else None,
+                _grammar_masks(sampled, logits.shape[-1]),
             )
         except Exception:
             # A failed pass fails its batch, not the engine: answer and free those requests.
@@ -393,6 +406,8 @@ class LLMEngine:
     ) -> TokenOutput:
         seq.token_ids.append(token)
         reason = "prefill_done" if seq.prefill_only else self._stop_reason(seq, token)
+        if seq.matcher is not None and reason != "prefill_done":
+            reason = self._advance_grammar(seq, token) or reason
         if reason is not None:
             self._finish(seq, reason)
         out = self._output(seq, token, logprob)
@@ -402,6 +417,21 @@ class LLMEngine:
             out.prompt_logprobs = seq.prompt_logprobs  # type: ignore[assignment]
             seq.prompt_logprobs_sent = True
         return out
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> str | None:
+        """Feeds an output token to the sequence's matcher: "stop" once the grammar is complete
+        (nothing but EOS could follow), "error" for a token it refuses (never sampled under
+        its mask: an imported first token, or a matcher that failed)."""
+        if not seq.matcher.consume_token(token):
+            log.error(
+                "request %s: token %d breaks its grammar: %s",
+                seq.request_id,
+                token,
+                seq.matcher.get_error(),
+            )
+            return "error"
+        return "stop" if seq.matcher.is_stopped() else None
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -609,6 +639,8 @@ class LLMEngine:
             self.scheduler.mark_computed(seq, len(prompt_token_ids))  # publishes prompt blocks
             seq.token_ids.append(first_token)
             reason = self._stop_reason(seq, first_token)
+            if seq.matcher is not None:
+                reason = self._advance_grammar(seq, first_token) or reason
             if reason is not None:
                 self._finish(seq, reason)
                 self._outputs.append(self._output(seq, None, None))
@@ -633,6 +665,25 @@ class LLMEngine:
             if r is not None:
                 return self.model_runner.read_kv(layer, r.block_table, 0, r.num_prompt_tokens)
         raise ValueError(f"request_id: {request_id!r} has no KV in this engine")
+
+
+def _grammar_masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], torch.Tensor] | None:
+    """The rows of `seqs` under a grammar and what each may sample next ([rows, vocab] bool).
+    A row whose matcher allows nothing (it failed) is left unmasked: its token is then
+    refused by the matcher and the request ends with "error", not the batch."""
+    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if not rows:
+        return None
+    words = (vocab + 31) // 32
+    bitmask = torch.empty(len(rows), words, dtype=torch.int32)
+    for r, i in enumerate(rows):
+        seqs[i].matcher.unsafe_compute_mask_ptr(bitmask[r].data_ptr(), words * 4)
+    allowed = unpack_bitmask(bitmask, vocab)
+    keep = allowed.any(dim=-1).tolist()
+    if not all(keep):
+        rows = [i for i, ok in zip(rows, keep, strict=True) if ok]
+        allowed = allowed[torch.tensor(keep)]
+    return rows, allowed
 
 
 _SEED_STRIDE = 1_000_003

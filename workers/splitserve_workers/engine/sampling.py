@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve_workers.engine.grammar import MAX_GRAMMAR_BYTES
+
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 MAX_PROMPT_LOGPROBS = 5  # alternatives per prompt token, as the legacy completions API
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampler does)
@@ -52,6 +54,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted times each token's count in the output
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Structured output: an llguidance grammar (engine/grammar.py) the output must match.
+    grammar: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not self.temperature >= 0.0:
@@ -96,6 +100,13 @@ class SamplingParams:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(
                 f"logit_bias: {len(self.logit_bias)} tokens, at most {MAX_LOGIT_BIAS_TOKENS}"
+            )
+        if self.grammar is not None and not (
+            isinstance(self.grammar, str)
+            and 0 < len(self.grammar.encode("utf-8")) <= MAX_GRAMMAR_BYTES
+        ):
+            raise ValueError(
+                f"grammar: must be a non-empty string of at most {MAX_GRAMMAR_BYTES} bytes"
             )
         for token, bias in self.logit_bias.items():
             if token < 0 or (vocab_size is not None and token >= vocab_size):
@@ -239,21 +250,41 @@ def adjust_logits(
     return out
 
 
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bitmasks (bit t % 32 of word t // 32 set: token t allowed, as
+    llguidance writes them) -> [rows, vocab] bool."""
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     histories: Sequence[tuple[Sequence[int], int]] | None = None,
     states: Sequence[PenaltyState | None] | None = None,
+    allowed: tuple[list[int], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[float | None], list[list[tuple[int, float]] | None]]:
     """logits: [N, vocab] float32, one row per sequence. Returns token ids, the chosen tokens'
     logprobs (rows that asked) and the top_logprobs alternatives (rows that asked).
-    histories (needed when a row has penalties) and states: see adjust_logits."""
+    histories (needed when a row has penalties) and states: see adjust_logits.
+    allowed: (rows, [len(rows), vocab] bool) - those rows sample only among their allowed
+    tokens (structured output), after the logit adjustments; logprobs stay the model's."""
     scores = logits
     if any(p.adjusts_logits for p in params):
         if histories is None:
             raise ValueError("sample: penalties need each row's token history")
         scores = adjust_logits(logits, params, histories, states)
+    if allowed is not None and allowed[0]:
+        rows, mask = allowed
+        if scores is logits:
+            scores = logits.clone()
+        index = torch.tensor(rows, device=scores.device)
+        masked = scores.index_select(0, index).masked_fill(~mask.to(scores.device), float("-inf"))
+        scores.index_copy_(0, index, masked)
     tokens = torch.argmax(scores, dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:

@@ -11,6 +11,7 @@ import enum
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +92,8 @@ class Sequence:
         self.prompt_logprobs_sent = False
         # Token statistics for repetition/frequency/presence penalties, built on first use.
         self.penalty_state = PenaltyState()
+        # With SamplingParams.grammar: its llguidance matcher, advanced by every output token.
+        self.matcher: Any = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -194,6 +194,10 @@ class Tokenizer:
         """The most bytes of text any one token stands for (>= 1)."""
         return max([1, *(len(self.token_bytes(i)) for i in range(self.vocab_size))])
 
+    def to_json(self) -> str:
+        """The tokenizer.json this tokenizer was loaded from, re-serialized."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

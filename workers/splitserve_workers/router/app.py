@@ -485,6 +485,7 @@ class Router:
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias=req.logit_bias,
+            grammar=req.grammar or "",
         )
         if req.prompt_logprobs:
             sampling.prompt_logprobs = req.top_logprobs

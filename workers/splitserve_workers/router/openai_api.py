@@ -4,11 +4,16 @@ shapes for /v1/completions and /v1/chat/completions. Pure data; app.py does the 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import llguidance
+
+from splitserve_workers.engine import grammar
 
 INT32_MAX = 2**31 - 1  # top_k and token ids travel to the workers as int32
 PRIORITY_HEADER = "x-splitserve-priority"
@@ -102,6 +107,9 @@ class GenerationRequest:
     repetition_penalty: float = 1.0  # vLLM's extension (transformers' semantics); 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)
     n: int = 1  # choices per prompt
+    # Structured output (response_format / structured_outputs): the grammar the output must
+    # match, in llguidance's format (engine/grammar.py); None = free text.
+    grammar: str | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -237,7 +245,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -289,6 +296,8 @@ _COMMON = {
     "ignore_eos",
     "stop_token_ids",
     "n",
+    "response_format",
+    "structured_outputs",
     *_NEUTRAL,
     *_IGNORED,
 }
@@ -453,6 +462,131 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     if model is not None and not isinstance(model, str):
         raise _wrong_type("model", "a string", model)
     req.model = model or ""
+    req.grammar = _grammar(body)
+
+
+# ---- structured output ---------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(kind: str, text: str) -> str:
+    """The llguidance grammar for a schema (as canonical JSON), regex, choice list (as JSON) or
+    Lark/GBNF grammar; compiled once per distinct one (clients resend the same schema)."""
+    if kind == "json":
+        return grammar.json_schema(json.loads(text))
+    if kind == "regex":
+        return grammar.regex(text)
+    if kind == "choice":
+        return grammar.choice(json.loads(text))
+    return grammar.lark(llguidance.grammar_from("grammar", text))
+
+
+def _grammar_of(param: str, kind: str, value: Any) -> str:
+    text = value if kind in ("regex", "grammar") else json.dumps(value, sort_keys=True)
+    if len(text.encode("utf-8")) > grammar.MAX_GRAMMAR_BYTES:
+        raise invalid(param, f"'{param}' is longer than {grammar.MAX_GRAMMAR_BYTES} bytes")
+    try:
+        return _compiled(kind, text)
+    except (grammar.GrammarError, ValueError) as e:
+        raise invalid(param, f"'{param}' cannot be used: {str(e)[:500]}") from None
+
+
+def _response_format(value: Any) -> str | None:
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
+    if not isinstance(value, dict):
+        raise _wrong_type("response_format", "an object", value)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _grammar_of("response_format", "json", {"type": "object"})
+    if kind != "json_schema":
+        raise invalid(
+            "response_format.type",
+            "'response_format.type' must be one of text, json_object, json_schema, got "
+            f"{json.dumps(kind)[:40]}",
+        )
+    spec = value.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise _wrong_type(param, "an object", spec)
+    if not isinstance(spec.get("name"), str):
+        raise APIError(
+            400,
+            f"'{param}.name' is required (a string)",
+            param=f"{param}.name",
+            code="missing_required_parameter",
+        )
+    for key in ("description",):
+        if spec.get(key) is not None and not isinstance(spec[key], str):
+            raise _wrong_type(f"{param}.{key}", "a string", spec[key])
+    _bool(spec, "strict")  # typed; the output always follows the schema
+    schema = spec.get("schema", {})  # OpenAI: optional (then any JSON)
+    if not isinstance(schema, dict):
+        raise _wrong_type(f"{param}.schema", "an object", schema)
+    return _grammar_of(f"{param}.schema", "json", schema)
+
+
+# vLLM's structured_outputs: exactly one of these, each a different kind of constraint.
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        raise _wrong_type("structured_outputs", "an object", value)
+    for key in sorted(value):
+        if key not in (*_STRUCTURED_KINDS, "disable_any_whitespace"):
+            raise APIError(
+                400,
+                f"Unrecognized request argument supplied: structured_outputs.{key}",
+                param=f"structured_outputs.{key}",
+                code="unknown_parameter",
+            )
+    _bool(value, "disable_any_whitespace")  # always so here (see engine/grammar.py)
+    given = [k for k in _STRUCTURED_KINDS if value.get(k) is not None]
+    if len(given) != 1:
+        raise invalid(
+            "structured_outputs",
+            "'structured_outputs' takes exactly one of "
+            + ", ".join(_STRUCTURED_KINDS)
+            + (f", got {', '.join(given)}" if given else ""),
+        )
+    kind = given[0]
+    param = f"structured_outputs.{kind}"
+    item = value[kind]
+    if kind == "json_object":
+        if item is not True:
+            raise _wrong_type(param, "true", item)
+        return _grammar_of(param, "json", {"type": "object"})
+    if kind == "json":
+        if isinstance(item, str):  # vLLM also takes the schema as a JSON string
+            try:
+                item = json.loads(item)
+            except ValueError:
+                raise invalid(param, f"'{param}' is not valid JSON") from None
+        if not isinstance(item, dict):
+            raise _wrong_type(param, "a JSON schema (an object)", item)
+    elif kind == "choice":
+        if not isinstance(item, list) or not all(isinstance(c, str) for c in item):
+            raise _wrong_type(param, "an array of strings", item)
+    elif not isinstance(item, str):
+        raise _wrong_type(param, "a string", item)
+    return _grammar_of(param, kind, item)
+
+
+def _grammar(body: dict[str, Any]) -> str | None:
+    response_format = body.get("response_format")
+    structured = body.get("structured_outputs")
+    if response_format is not None and structured is not None:
+        found = _response_format(response_format)
+        if found is not None:
+            raise invalid(
+                "structured_outputs",
+                "'structured_outputs' and a JSON 'response_format' cannot both be given",
+            )
+    if structured is not None:
+        return _structured_outputs(structured)
+    return None if response_format is None else _response_format(response_format)
 
 
 def _begin(

@@ -1,0 +1,206 @@
+"""Structured output in the engine: a grammar (engine/grammar.py) keeps every generated token
+inside a JSON schema, a regex, a choice list or a Lark grammar. Random-weight models make this
+a strong test: left alone they produce byte soup, so valid output comes from the mask alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from splitserve_workers.engine import LLMEngine, SamplingParams
+from splitserve_workers.engine import grammar as G
+from structured_schemas import PERSON, check_person
+from test_disaggregation import KVCollector, decode_on, run
+
+
+def finished(engine: LLMEngine) -> dict[str, tuple[list[int], str | None]]:
+    """Runs the engine dry: request id -> (generated ids, finish reason)."""
+    out: dict[str, tuple[list[int], str | None]] = {}
+    for o in run(engine):
+        ids, _ = out.get(o.request_id, ([], None))
+        if o.token_id is not None:
+            ids.append(o.token_id)
+        out[o.request_id] = (ids, o.finish_reason if o.finished else None)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
+def test_sampled_output_follows_the_json_schema(
+    tiny_models: dict[str, Path],
+    make_engine: Callable[..., LLMEngine],
+    prompt_ids: Callable[..., list[int]],
+    preset: str,
+) -> None:
+    engine = make_engine(tiny_models[preset])
+    grammar = G.json_schema(PERSON)
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=200, grammar=grammar)
+        engine.add_request(f"r{seed}", prompt_ids(engine, 9, salt=seed), params)
+    results = finished(engine)
+    texts = []
+    for rid, (ids, reason) in results.items():
+        # The grammar completes, so generation stops there - no EOS needed, no budget spent.
+        assert reason == "stop", (rid, engine.tokenizer.decode(ids))
+        text = engine.tokenizer.decode(ids)
+        check_person(json.loads(text))
+        assert "\n" not in text  # separators are ", " and ": ", nothing freer
+        texts.append(text)
+    assert len(set(texts)) > 1  # sampling still samples, inside the schema
+    assert engine.stats().free_blocks == engine.num_kv_blocks
+
+
+def test_unconstrained_output_is_not_json(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # The control for the test above: the same model and seeds without the grammar.
+    engine = make_engine()
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
+        engine.add_request(f"r{seed}", prompt_ids(engine, 9, salt=seed), params)
+    for ids, _ in finished(engine).values():
+        with pytest.raises((ValueError, AssertionError)):
+            check_person(json.loads(engine.tokenizer.decode(ids)))
+
+
+def test_regex_choice_and_lark(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine()
+    grammars = {
+        "regex": G.regex(r"[0-9]{3}-[a-z]{2,5}"),
+        "choice": G.choice(["yes", "no", "maybe so", "naïve"]),
+        "lark": G.lark('start: "(" item ("," item)* ")"\nitem: /[ab]{1,3}/'),
+    }
+    for name, grammar in grammars.items():
+        for seed in range(6):
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=60, grammar=grammar)
+            engine.add_request(f"{name}-{seed}", prompt_ids(engine, 7, salt=seed), params)
+    results = finished(engine)
+    seen_choices = set()
+    for rid, (ids, reason) in results.items():
+        text = engine.tokenizer.decode(ids)
+        name = rid.split("-")[0]
+        if name == "regex":
+            assert re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", text), text
+            assert reason == "stop"
+        elif name == "choice":
+            assert text in ("yes", "no", "maybe so", "naïve") and reason == "stop", text
+            seen_choices.add(text)
+        else:
+            assert re.fullmatch(r"\((?:[ab]{1,3})(?:,[ab]{1,3})*\)", text) or reason == "length"
+    assert len(seen_choices) > 1
+
+
+def test_constrained_rows_do_not_change_their_neighbours(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # One batch mixing grammar and free rows: each gives what it gives alone.
+    grammar = G.json_schema(PERSON)
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    greedy_json = SamplingParams(max_tokens=200, grammar=grammar)
+    seeded_json = SamplingParams(temperature=0.8, seed=3, max_tokens=200, grammar=grammar)
+    params = [free, greedy_json, seeded_json, free]
+    engine = make_engine()
+    prompts = [prompt_ids(engine, 5 + i, salt=i) for i in range(4)]
+    together = engine.generate(prompts, params)
+    alone = [make_engine().generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    assert together == alone
+    check_person(json.loads(engine.tokenizer.decode(together[1])))
+
+
+def test_max_tokens_cuts_a_constrained_answer(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    engine = make_engine()
+    grammar = G.json_schema(PERSON)
+    engine.add_request("r", prompt_ids(engine, 6), SamplingParams(max_tokens=5, grammar=grammar))
+    ((ids, reason),) = finished(engine).values()
+    assert reason == "length" and len(ids) == 5
+    assert engine.tokenizer.decode(ids).startswith('{"')  # a prefix of the answer
+    assert engine.stats().free_blocks == engine.num_kv_blocks
+
+
+def test_disaggregated_constrained_decode_equals_local(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # Prefill samples the first token under the grammar; the decode engine's matcher starts by
+    # consuming it, so the two halves are one constrained generation.
+    grammar = G.json_schema(PERSON)
+    for params in (
+        SamplingParams(max_tokens=200, grammar=grammar),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=200, grammar=grammar),
+    ):
+        local = make_engine()
+        prompt = prompt_ids(local, 21)
+        expected = local.generate([prompt], params)[0]
+        a = make_engine()
+        collector = KVCollector(a.model_config.num_layers, len(prompt))
+        a.add_request("r1", prompt, params, prefill_only=True, on_kv=collector)
+        (first,) = run(a)
+        assert first.finish_reason == "prefill_done"
+        b = make_engine(block_size=8)
+        got = decode_on(b, "r1", prompt, first.token_id, collector.chunks, params)
+        assert got == expected
+        check_person(json.loads(b.tokenizer.decode(got)))
+
+
+def test_a_first_token_outside_the_grammar_ends_the_request(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # A decode worker handed a first token its grammar refuses (a prefill worker that did not
+    # constrain it) answers "error" at once and frees the request's blocks.
+    a = make_engine()
+    prompt = prompt_ids(a, 10)
+    free = SamplingParams(max_tokens=1)
+    collector = KVCollector(a.model_config.num_layers, len(prompt))
+    a.add_request("r1", prompt, free, prefill_only=True, on_kv=collector)
+    run(a)
+    b = make_engine()
+    assert b.reserve("r1", len(prompt))
+    for layer, start, k, v in collector.chunks:
+        b.import_kv("r1", layer, start, k, v)
+    not_a_digit = b.tokenizer.encode("x", add_special_tokens=False)[0]
+    b.start_decode("r1", prompt, not_a_digit, SamplingParams(grammar=G.regex("[0-9]+")))
+    (out,) = run(b)
+    assert out.finished and out.finish_reason == "error"
+    assert b.stats().free_blocks == b.num_kv_blocks
+
+
+def test_bad_grammars_are_refused_naming_the_field(make_engine: Callable[..., LLMEngine]) -> None:
+    with pytest.raises(G.GrammarError, match="objekt"):
+        G.json_schema({"type": "objekt"})
+    with pytest.raises(G.GrammarError, match="unclosed group"):
+        G.regex("(")
+    with pytest.raises(G.GrammarError, match="foo"):
+        G.lark("start: foo")
+    with pytest.raises(G.GrammarError, match="at least one"):
+        G.choice([])
+    engine = make_engine()
+    garbage = '{"grammars": [{"lark_grammar": "start: nope"}]}'
+    with pytest.raises(ValueError, match="^grammar: .*nope"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(grammar=garbage))
+    assert not engine.has_unfinished()
+
+
+def test_compiled_grammars_are_shared_not_their_state(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # The engine compiles a grammar once and copies it per request: two requests with one
+    # grammar advance independently (greedy, different prompts, different answers).
+    engine = make_engine()
+    grammar = G.regex("[a-z]{4,8}")
+    one = engine.grammars.matcher(grammar)
+    two = engine.grammars.matcher(grammar)
+    assert one is not two
+    token = engine.tokenizer.encode("ab", add_special_tokens=False)[0]
+    assert one.consume_token(token)
+    assert two.validate_tokens([token]) == 1 and not two.is_error()
+    outs = engine.generate(
+        [prompt_ids(engine, 6, salt=1), prompt_ids(engine, 6, salt=2)],
+        SamplingParams(max_tokens=20, grammar=grammar),
+    )
+    for ids in outs:
+        assert re.fullmatch("[a-z]{4,8}", engine.tokenizer.decode(ids))

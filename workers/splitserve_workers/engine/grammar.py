@@ -1,0 +1,132 @@
+"""Structured output: a grammar that every generated token must keep the output inside.
+
+The router turns a request's `response_format` (a JSON schema, or any JSON object) or vLLM's
+`structured_outputs` (`json`, `regex`, `choice`, `grammar`) into one grammar string in
+llguidance's format (its serialized grammar list); the string travels to the workers in
+SamplingParams.grammar. Each worker compiles it once per engine into a matcher that tracks a
+sequence's output and, before each sampling step, says which tokens may come next (a bitmask
+over the vocabulary: sampling.py masks the rest). The grammar complete, the sequence stops
+with "stop"; EOS is allowed only where the output is complete.
+
+In the disaggregated flow the prefill worker samples the first token under the grammar and the
+decode worker's matcher starts by consuming it (llm_engine.start_decode), so the two halves are
+one constrained generation.
+
+JSON is generated compactly but readably (`", "` and `": "` separators, no other whitespace):
+with free whitespace a model can spend its whole budget on newlines and spaces, a known way for
+constrained decoding to never finish. This module imports no torch (the router uses it).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+# The compiled grammar string travels in every request to the workers; schemas this size are
+# already unusual (OpenAI caps a schema at 100 properties and 5 levels of nesting).
+MAX_GRAMMAR_BYTES = 64 * 1024
+MAX_CHOICES = 256  # strings in a `choice` list
+# Compiled grammars kept per engine (a matcher is copied from its grammar's compiled one).
+GRAMMAR_CACHE_SIZE = 64
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class GrammarError(ValueError):
+    """A grammar (or the schema/regex/choices it came from) that cannot be compiled."""
+
+
+def _checked(grammar: str) -> str:
+    if len(grammar.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(
+            f"the compiled grammar is {len(grammar.encode('utf-8'))} bytes, at most "
+            f"{MAX_GRAMMAR_BYTES}"
+        )
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(error.strip())
+    return grammar
+
+
+def json_schema(schema: dict[str, Any] | bool) -> str:
+    """A grammar for JSON that validates against `schema` (`{"type": "object"}`: any object)."""
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise GrammarError("the schema must be a JSON object")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    except ValueError as e:  # not a JSON object, or options it refuses
+        raise GrammarError(str(e)) from e
+    return _checked(grammar)
+
+
+def regex(pattern: str) -> str:
+    """A grammar for text that matches `pattern` entirely (Rust regex syntax)."""
+    return _checked(llguidance.LLMatcher.grammar_from_regex(pattern))
+
+
+def choice(options: list[str]) -> str:
+    """A grammar for exactly one of `options`."""
+    if not options:
+        raise GrammarError("at least one choice is needed")
+    if len(options) > MAX_CHOICES:
+        raise GrammarError(f"{len(options)} choices, at most {MAX_CHOICES}")
+    if any(not s for s in options):
+        raise GrammarError("a choice must not be empty")
+    return lark("start: " + " | ".join(json.dumps(s) for s in options))
+
+
+def lark(text: str) -> str:
+    """A grammar written in llguidance's Lark dialect (`start` is the top rule)."""
+    return _checked(llguidance.LLMatcher.grammar_from_lark(text))
+
+
+class Grammars:
+    """One engine's compiled grammars and the tokenizer view they are compiled against.
+    Thread-safe: requests arrive on gRPC threads, while the engine's step thread uses the
+    matchers (each sequence its own)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._source = (tokenizer_json, vocab_size, sorted(eos_token_ids))
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        # Built on the first grammar (about a second at a 150k vocabulary), not at start.
+        if self._tokenizer is None:
+            text, vocab_size, eos = self._source
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+        return self._tokenizer
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of `grammar`. GrammarError if it does not compile."""
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled.deep_copy()
+            tokenizer = self._llg_tokenizer()
+        if len(grammar.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+            raise GrammarError(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
+        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if compiled.is_error():
+            raise GrammarError(compiled.get_error().strip())
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return compiled.deep_copy()
