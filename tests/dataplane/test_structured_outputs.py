@@ -73,6 +73,7 @@ def test_json_schema_answers_follow_the_schema(stack: dict[str, Any]) -> None:
         assert choice.message.content is not None
         value = json.loads(choice.message.content)
         check_person(value)
+        assert list(value) == list(PERSON["properties"])  # written in the schema's order
         values.append(value)
     assert len({json.dumps(v) for v in values}) > 1  # four samples, not one answer four times
     assert_blocks_back(stack, initial)
@@ -217,3 +218,211 @@ def test_text_format_is_free_text(stack: dict[str, Any]) -> None:
         timeout=60,
     ).json()
     assert plain["choices"][0]["message"] == text["choices"][0]["message"]
+
+
+# ---- forced tool calls ---------------------------------------------------------------------
+
+COLOR = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}},
+    "required": ["color"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "make_person", "parameters": PERSON}},
+    {
+        "type": "function",
+        "function": {"name": "pick_color", "description": "Pick one.", "parameters": COLOR},
+    },
+]
+NAMED = {"type": "function", "function": {"name": "make_person"}}
+
+
+def check_call(name: str, arguments: str) -> None:
+    value = json.loads(arguments)
+    if name == "make_person":
+        check_person(value)
+    else:
+        assert name == "pick_color" and set(value) == {"color"}
+        assert value["color"] in ("red", "green", "blue")
+
+
+def test_a_named_tool_choice_forces_a_valid_call(stack: dict[str, Any]) -> None:
+    answer = client(stack["base"]).chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=NAMED,  # type: ignore[arg-type]
+        temperature=1.0,
+        seed=4,
+        n=3,
+        max_tokens=200,
+    )
+    ids = set()
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop"  # as OpenAI reports a forced call
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        assert call.type == "function" and call.function.name == "make_person"
+        check_call(call.function.name, call.function.arguments)
+        ids.add(call.id)
+    assert len(ids) == 3
+
+
+def test_required_tool_choice_gives_calls_of_the_given_tools(stack: dict[str, Any]) -> None:
+    answer = client(stack["base"]).chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=9,
+        n=6,
+        max_tokens=200,
+    )
+    names = set()
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls or []  # parallel_tool_calls false: exactly one
+        check_call(call.function.name, call.function.arguments)
+        names.add(call.function.name)
+    assert names <= {"make_person", "pick_color"}
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
+def test_streamed_tool_calls_equal_the_whole_answer(
+    stack: dict[str, Any], tool_choice: Any
+) -> None:
+    kw: dict[str, Any] = dict(
+        model="tiny",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        temperature=0.9,
+        seed=2,
+        max_tokens=200,
+    )
+    whole = client(stack["base"]).chat.completions.create(**kw).choices[0]
+    calls: dict[int, dict[str, Any]] = {}
+    reasons = []
+    for chunk in client(stack["base"]).chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            reasons.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"arguments": ""})
+                if delta.id:
+                    call["id"], call["name"] = delta.id, delta.function.name
+                call["arguments"] += delta.function.arguments or ""
+    assert reasons[-1] == whole.finish_reason and not any(reasons[:-1])
+    expected = [
+        {"name": c.function.name, "arguments": c.function.arguments}
+        for c in whole.message.tool_calls or []
+    ]
+    assert all(call.pop("id").startswith("call_") for call in calls.values())
+    assert [calls[i] for i in sorted(calls)] == expected
+    for call in expected:
+        check_call(call["name"], call["arguments"])
+
+
+def _prompt_tokens(stack: dict[str, Any], **body: Any) -> int:
+    r = httpx.post(
+        stack["base"] + "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 1, **body},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens"])
+
+
+def test_the_tools_reach_the_chat_template(stack: dict[str, Any]) -> None:
+    # make-model's template lists the tools in a system turn (as Qwen's do): a forced call's
+    # prompt is longer by them; with tool_choice none the model is not shown them.
+    plain = _prompt_tokens(stack)
+    assert _prompt_tokens(stack, tools=TOOLS, tool_choice="none") == plain
+    assert _prompt_tokens(stack, tools=TOOLS, tool_choice="required") > plain + 20
+    # An earlier call and its result are part of the conversation the template renders.
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "pick_color", "arguments": '{"color": "red"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+    ]
+    bare = [*MESSAGES, {"role": "assistant", "content": ""}, {"role": "tool", "content": "ok"}]
+    assert _prompt_tokens(stack, messages=history) > _prompt_tokens(stack, messages=bare)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"tools": TOOLS}, "tool_choice", "unsupported_parameter"),  # auto, the default
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "invalid_value",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "a b"}}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.name",
+            "invalid_value",
+        ),
+        (
+            {"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"},
+            "tools[1].function.name",
+            "invalid_value",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "objekt"}},
+                    }
+                ],  # noqa: E501
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+            "invalid_value",
+        ),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0]", "invalid_type"),
+        (
+            {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+            "response_format",
+            "invalid_value",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]},
+            "messages[0].tool_calls[0]",
+            "invalid_type",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_field(
+    stack: dict[str, Any], body: dict[str, Any], param: str, code: str
+) -> None:
+    r = _post(stack, "/v1/chat/completions", json.dumps({"messages": MESSAGES, **body}))
+    assert r.status_code == 400, r.text
+    err = _error(r)
+    assert (err["param"], err["code"]) == (param, code)
+    assert param.split("[")[0] in err["message"]
+
+
+def test_completions_take_no_tools(stack: dict[str, Any]) -> None:
+    r = _post(stack, "/v1/completions", json.dumps({"prompt": "x", "tools": TOOLS}))
+    assert r.status_code == 400 and _error(r)["param"] == "tools"

@@ -361,7 +361,11 @@ class Router:
         if req.kind == "chat":
             assert req.messages is not None
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+                # Tools (forced calls only) go to the template, which shows them to the model.
+                extra = {"tools": req.tools} if req.tools else {}
+                text = self.tokenizer.apply_chat_template(
+                    req.messages, add_generation_prompt=True, **extra
+                )
             except NoChatTemplate as e:  # the model's fault, not the messages'
                 raise api.APIError(400, str(e), code="no_chat_template") from e
             except Exception as e:  # a template may reject a message order (raise_exception)
@@ -773,6 +777,15 @@ class _Answer:
         self.cut_reason: str | None = None
         self.cut_seen = False  # the cut became this request's answer
         self.error: str | None = None  # what ended a stream after its first token
+        # Forced tool calls: each choice's call id, and (tool_choice "required", streamed) the
+        # text held back until the whole array of calls can be parsed.
+        self.call_ids: dict[int, str] = {}
+        self.held: dict[int, list[str]] = collections.defaultdict(list)
+
+    def call_id(self, run: _Run) -> str:
+        if run.index not in self.call_ids:
+            self.call_ids[run.index] = "call_" + uuid.uuid4().hex[:24]
+        return self.call_ids[run.index]
 
     @property
     def cuttable(self) -> bool:
@@ -906,16 +919,18 @@ class _Answer:
                 parts[run.index].append(text)
                 entries[run.index] += chunk_entries
         self.status = "ok"
-        choice = api.chat_choice if self.req.kind == "chat" else api.completion_choice
-        choices = [
-            choice(
-                run.index,
-                "".join(parts[run.index]),
-                run.finish_reason,
-                run.logprobs_object(entries[run.index]),
-            )
-            for run in self.runs
-        ]
+        choices = []
+        for run in self.runs:
+            text = "".join(parts[run.index])
+            logprobs = run.logprobs_object(entries[run.index])
+            if self.req.kind != "chat":
+                choices.append(api.completion_choice(run.index, text, run.finish_reason, logprobs))
+            elif self.req.tool_choice is None:
+                choices.append(api.chat_choice(run.index, text, run.finish_reason, logprobs))
+            else:
+                calls, reason = api.tool_calls(self.req, text, run.finish_reason, self.call_id(run))
+                content = None if calls is not None else text
+                choices.append(api.chat_choice(run.index, content, reason, logprobs, calls))
         return web.json_response(
             api.response(
                 self.req.kind, self.rid, self.model, self.created, choices, self.usage(), False
@@ -923,8 +938,44 @@ class _Answer:
             headers={"X-Request-Id": self.rid},
         )
 
-    def _chunk(self, run: _Run, text: str, reason: str | None, logprobs: Any) -> dict[str, Any]:
-        if self.req.kind == "chat":
+    def _tool_delta(
+        self, run: _Run, text: str, reason: str | None
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """A forced tool call's stream delta (None: nothing to send yet) and finish reason. A
+        named function's arguments stream as they come (OpenAI's shape: the first delta has
+        the call's id and name); "required" calls go out whole in the last chunk, once the
+        array parses."""
+        delta: dict[str, Any] = {"role": "assistant", "content": None} if run.first else {}
+        call: dict[str, Any] = {"index": 0}
+        if self.req.tool_choice != "required":
+            if run.first:
+                call |= {"id": self.call_id(run), "type": "function"}
+                call["function"] = {"name": self.req.tool_choice, "arguments": text}
+            else:
+                call["function"] = {"arguments": text}
+            if text or run.first:
+                delta["tool_calls"] = [call]
+            return delta, reason
+        self.held[run.index].append(text)
+        if reason is None:
+            return (delta if run.first else None), None
+        whole = "".join(self.held.pop(run.index))
+        calls, reason = api.tool_calls(self.req, whole, reason, self.call_id(run))
+        if calls is None:
+            delta["content"] = whole
+        else:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return delta, reason
+
+    def _chunk(
+        self, run: _Run, text: str, reason: str | None, logprobs: Any
+    ) -> dict[str, Any] | None:
+        if self.req.kind == "chat" and self.req.tool_choice is not None:
+            tool_delta, reason = self._tool_delta(run, text, reason)
+            if tool_delta is None:
+                return None
+            choice = api.chat_delta_choice(run.index, tool_delta, reason, logprobs)
+        elif self.req.kind == "chat":
             delta: dict[str, Any] = {"content": text} if text or not reason else {}
             if run.first:
                 delta = {"role": "assistant", "content": text}
@@ -972,7 +1023,9 @@ class _Answer:
                         if run.first and self.req.echo:
                             text = run.prompt_text + text
                         logprobs = run.logprobs_object(entries)
-                        await response.write(api.sse(self._chunk(run, text, reason, logprobs)))
+                        chunk = self._chunk(run, text, reason, logprobs)
+                        if chunk is not None:
+                            await response.write(api.sse(chunk))
             except FlowError as e:
                 # Tokens already went out: the status line is sent, so the error is an event
                 # (a dead decode worker, or the router's drain deadline).

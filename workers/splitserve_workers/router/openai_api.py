@@ -110,6 +110,10 @@ class GenerationRequest:
     # Structured output (response_format / structured_outputs): the grammar the output must
     # match, in llguidance's format (engine/grammar.py); None = free text.
     grammar: str | None = None
+    # Chat tool calling, forced (tool_choice "required" or a named function): the tools as the
+    # chat template receives them, and the mode; the grammar then holds the call's JSON.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None  # None (free text) | "required" | the forced function's name
 
     @property
     def prompt_param(self) -> str:
@@ -240,9 +244,6 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,),
@@ -302,7 +303,11 @@ _COMMON = {
     *_IGNORED,
 }
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "logprobs"}
-CHAT_PARAMS = (_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}) - {
+CHAT_PARAMS = (
+    _COMMON
+    | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+    | {"tools", "tool_choice", "parallel_tool_calls"}
+) - {
     "suffix",
     "best_of",
 }
@@ -470,7 +475,7 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
 
 @functools.lru_cache(maxsize=256)
 def _compiled(kind: str, text: str) -> str:
-    """The llguidance grammar for a schema (as canonical JSON), regex, choice list (as JSON) or
+    """The llguidance grammar for a schema (as JSON), regex, choice list (as JSON) or
     Lark/GBNF grammar; compiled once per distinct one (clients resend the same schema)."""
     if kind == "json":
         return grammar.json_schema(json.loads(text))
@@ -482,7 +487,8 @@ def _compiled(kind: str, text: str) -> str:
 
 
 def _grammar_of(param: str, kind: str, value: Any) -> str:
-    text = value if kind in ("regex", "grammar") else json.dumps(value, sort_keys=True)
+    # Keys keep their order: a schema's property order is the order the JSON is written in.
+    text = value if kind in ("regex", "grammar") else json.dumps(value)
     if len(text.encode("utf-8")) > grammar.MAX_GRAMMAR_BYTES:
         raise invalid(param, f"'{param}' is longer than {grammar.MAX_GRAMMAR_BYTES} bytes")
     try:
@@ -691,7 +697,187 @@ def _message_text(i: int, message: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": content}
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
+    if role == "assistant" and message.get("tool_calls") is not None:
+        out["tool_calls"] = _message_tool_calls(f"{param}.tool_calls", message["tool_calls"])
+    if role == "tool" and message.get("tool_call_id") is not None:
+        if not isinstance(message["tool_call_id"], str):
+            raise _wrong_type(f"{param}.tool_call_id", "a string", message["tool_call_id"])
+        out["tool_call_id"] = message["tool_call_id"]
     return out
+
+
+def _message_tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, as chat templates read them: the arguments
+    (a JSON string on the wire) parsed into an object where they parse, as vLLM passes them."""
+    if not isinstance(calls, list):
+        raise _wrong_type(param, "an array", calls)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)
+        ):
+            raise _wrong_type(
+                f"{param}[{j}]",
+                'a tool call ({"id", "type": "function", "function": {"name", "arguments"}})',
+                call,
+            )
+        try:
+            arguments: Any = json.loads(function["arguments"])
+        except ValueError:
+            arguments = function["arguments"]
+        out.append(
+            {
+                "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{j}",
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return out
+
+
+# ---- tool calling (forced) -----------------------------------------------------------------
+
+MAX_TOOLS = 128  # OpenAI's limit
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise _wrong_type("tools", "an array", tools)
+    if len(tools) > MAX_TOOLS:
+        raise invalid("tools", f"'tools' accepts at most {MAX_TOOLS} tools, got {len(tools)}")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _wrong_type(param, 'a tool ({"type": "function", "function": {...}})', tool)
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise _wrong_type(f"{param}.function", "an object", function)
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise invalid(
+                f"{param}.function.name",
+                f"'{param}.function.name' must be 1-64 letters, digits, '_' or '-', got "
+                f"{json.dumps(name)[:80]}",
+            )
+        if name in names:
+            raise invalid(f"{param}.function.name", f"'{param}.function.name' {name} repeats")
+        names.add(name)
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise _wrong_type(f"{param}.function.description", "a string", function["description"])
+        _bool(function, "strict")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise _wrong_type(
+                f"{param}.function.parameters", "a JSON schema (an object)", parameters
+            )
+        # Each schema is checked on its own, so an error names its tool.
+        _grammar_of(f"{param}.function.parameters", "json", parameters)
+        out.append({"type": "function", "function": {**function, "parameters": parameters}})
+    return out
+
+
+def _tool_choice(body: dict[str, Any], req: GenerationRequest) -> None:
+    """Forced tool calls: tool_choice "required" (one call or more, of any tool: a JSON array of
+    {"name", "parameters"}) or a named function (its arguments: JSON of its parameters' schema).
+    The grammar makes the call well-formed whatever the model; "auto" would have to recognise a
+    call in free text, which needs a parser per model family, and is refused."""
+    tools = _tools(body)
+    choice = body.get("tool_choice")
+    parallel = _bool(body, "parallel_tool_calls")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return  # the tools are not shown to the model
+    if not tools:
+        raise invalid("tool_choice", "'tool_choice' needs 'tools'")
+    if choice == "auto":
+        raise APIError(
+            400,
+            "'tool_choice' auto is not supported by this server: recognising a tool call in "
+            "free text needs a parser per model family. Use 'required' or name the function "
+            '({"type": "function", "function": {"name": ...}}); either forces a valid call.',
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+    if req.grammar is not None:
+        raise invalid(
+            "response_format",
+            "'response_format' / 'structured_outputs' cannot constrain an answer that "
+            "'tool_choice' forces to be a tool call",
+        )
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    if choice == "required":
+        calls: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"name": {"const": name}, "parameters": schema},
+                        "required": ["name", "parameters"],
+                        "additionalProperties": False,
+                    }
+                    for name, schema in by_name.items()
+                ]
+            },
+        }
+        if parallel is False:
+            calls["maxItems"] = 1
+        req.grammar = _grammar_of("tools", "json", calls)
+        req.tool_choice = "required"
+    else:
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and name):
+            raise invalid(
+                "tool_choice",
+                "'tool_choice' must be none, auto, required or "
+                '{"type": "function", "function": {"name": ...}}, got '
+                f"{json.dumps(choice)[:80]}",
+            )
+        if name not in by_name:
+            raise invalid(
+                "tool_choice", f"'tool_choice' names {json.dumps(name)[:80]}, which no tool is"
+            )
+        req.grammar = _grammar_of("tools", "json", by_name[name])
+        req.tool_choice = name
+    req.tools = tools
+
+
+def tool_calls(
+    req: GenerationRequest, text: str, finish_reason: str | None, call_id: str
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """A forced answer's tool calls and its finish reason. A named function's call is the text
+    (its arguments; "stop" as OpenAI reports a forced call). "required": the array of calls
+    ("tool_calls"); cut short by max_tokens it does not parse: no calls, the text stays."""
+    if req.tool_choice != "required":
+        call = {"name": req.tool_choice, "arguments": text}
+        return [{"id": call_id, "type": "function", "function": call}], finish_reason
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None, finish_reason
+    calls = [
+        {
+            "id": f"{call_id}_{i}" if i else call_id,
+            "type": "function",
+            "function": {
+                "name": item["name"],
+                "arguments": json.dumps(item["parameters"], ensure_ascii=False),
+            },
+        }
+        for i, item in enumerate(items)
+    ]
+    return calls, "tool_calls"
 
 
 def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
@@ -701,6 +887,7 @@ def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> Gene
     if not messages:
         raise invalid("messages", "'messages' must not be empty")
     req.messages = [_message_text(i, m) for i, m in enumerate(messages)]
+    _tool_choice(body, req)
     req.n = _n(body, 1)
     # Both are validated; the newer max_completion_tokens wins when both are given.
     max_completion_tokens = _int(body, "max_completion_tokens", 1)
@@ -738,11 +925,18 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls is not None:
+        message["tool_calls"] = calls
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
