@@ -436,7 +436,7 @@ def _error(r: httpx.Response) -> dict[str, Any]:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
             400,
-            "tools",
+            "tools[0].function",
         ),
         (
             "/v1/chat/completions",

@@ -196,6 +196,15 @@ def test_structured_outputs_extension(
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
             "structured_outputs",
         ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "strict": "yes"},
+                }
+            },  # noqa: E501
+            "response_format.json_schema.strict",
+        ),
     ],
 )
 def test_bad_constraints_are_400s_naming_the_field(
@@ -426,3 +435,38 @@ def test_bad_tool_requests_are_400s_naming_the_field(
 def test_completions_take_no_tools(stack: dict[str, Any]) -> None:
     r = _post(stack, "/v1/completions", json.dumps({"prompt": "x", "tools": TOOLS}))
     assert r.status_code == 400 and _error(r)["param"] == "tools"
+
+
+@pytest.mark.parametrize("pool", ["base", "colocated"])
+def test_a_grammar_the_workers_cannot_start_is_a_400(stack: dict[str, Any], pool: str) -> None:
+    # The router's check compiles it, but no token can begin it: the worker refuses it at
+    # once (its first mask), and the router answers 400 without retrying elsewhere. It used
+    # to be a 200 with "" and finish_reason "stop".
+    body = {"messages": MESSAGES, "structured_outputs": {"regex": "[^\\s\\S]"}}
+    r = httpx.post(stack[pool] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "constraint" in _error(r)["message"]
+
+
+def test_a_grammar_complete_at_max_tokens_is_a_stop(stack: dict[str, Any]) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 1, "structured_outputs": {"choice": ["a"]}}
+    r = httpx.post(stack["colocated"] + "/v1/chat/completions", json=body, timeout=60)
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("a", "stop")
+
+
+def test_one_of_is_served_as_any_of(stack: dict[str, Any]) -> None:
+    # pydantic writes a discriminated union as oneOf.
+    schema = {
+        "oneOf": [
+            {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
+            {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]},
+        ]
+    }
+    answer = client(stack["base"]).chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
+    )
+    assert json.loads(answer.choices[0].message.content or "")["kind"] in ("cat", "dog")

@@ -179,6 +179,9 @@ def test_bad_grammars_are_refused_naming_the_field(make_engine: Callable[..., LL
     with pytest.raises(G.GrammarError, match="at least one"):
         G.choice([])
     engine = make_engine()
+    # Compiles, but no token can begin it: refused when the request arrives, not answered "".
+    with pytest.raises(ValueError, match="^grammar: "):
+        engine.add_request("r", [5, 6, 7], SamplingParams(grammar=G.regex("[^\\s\\S]")))
     garbage = '{"grammars": [{"lark_grammar": "start: nope"}]}'
     with pytest.raises(ValueError, match="^grammar: .*nope"):
         engine.add_request("r", [5, 6, 7], SamplingParams(grammar=garbage))

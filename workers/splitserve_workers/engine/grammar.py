@@ -39,6 +39,9 @@ JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
+    # oneOf is taken as anyOf: exclusivity cannot be checked while generating, and pydantic's
+    # discriminated unions (oneOf) would otherwise be refused.
+    "coerce_one_of": True,
 }
 
 
@@ -116,15 +119,23 @@ class Grammars:
         """A fresh matcher at the start of `grammar`. GrammarError if it does not compile."""
         with self._lock:
             compiled = self._compiled.get(grammar)
-            if compiled is not None:
+            if compiled is not None and not compiled.is_error():
                 self._compiled.move_to_end(grammar)
                 return compiled.deep_copy()
+            self._compiled.pop(grammar, None)
             tokenizer = self._llg_tokenizer()
         if len(grammar.encode("utf-8")) > MAX_GRAMMAR_BYTES:
             raise GrammarError(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
         compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if compiled.is_error():
             raise GrammarError(compiled.get_error().strip())
+        # Most of the work (the lexer) is lazy: do the first mask here, on the caller's thread
+        # (llguidance releases the GIL), not in the step loop, and refuse a grammar that fails
+        # at its start (no token can begin it, or a lexer limit) instead of answering "".
+        probe = compiled.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError(probe.get_error().strip().split("\n")[0])
         with self._lock:
             self._compiled[grammar] = compiled
             while len(self._compiled) > GRAMMAR_CACHE_SIZE:

@@ -406,8 +406,14 @@ class LLMEngine:
     ) -> TokenOutput:
         seq.token_ids.append(token)
         reason = "prefill_done" if seq.prefill_only else self._stop_reason(seq, token)
-        if seq.matcher is not None and reason != "prefill_done":
-            reason = self._advance_grammar(seq, token) or reason
+        if seq.matcher is not None:
+            if seq.matcher.is_error():
+                # Failed while computing this step's mask (a limit it hit): its mask allowed
+                # only EOS, so the token is no answer; never report that as "stop".
+                log.error("request %s: grammar failed: %s", seq.request_id, seq.matcher.get_error())
+                reason = "error"
+            elif reason != "prefill_done":
+                reason = self._advance_grammar(seq, token) or reason
         if reason is not None:
             self._finish(seq, reason)
         out = self._output(seq, token, logprob)
@@ -423,7 +429,8 @@ class LLMEngine:
         """Feeds an output token to the sequence's matcher: "stop" once the grammar is complete
         (nothing but EOS could follow), "error" for a token it refuses (never sampled under
         its mask: an imported first token, or a matcher that failed)."""
-        if not seq.matcher.consume_token(token):
+        # consume_token accepts EOS from a matcher in an error state: check is_error too.
+        if not seq.matcher.consume_token(token) or seq.matcher.is_error():
             log.error(
                 "request %s: token %d breaks its grammar: %s",
                 seq.request_id,

@@ -23,6 +23,21 @@ from splitserve_workers.router.picking import PromptKey, Worker, WorkerLoad, Wor
 log = logging.getLogger("splitserve.router")
 
 
+def _grammar_refused(e: BaseException) -> FlowError | None:
+    """A worker refusing the request's grammar (INVALID_ARGUMENT "grammar: ..."): a limit of
+    the grammar engine the router's check does not reach (a schema of a thousand optional
+    properties, say). Every worker would refuse it, so it is the client's 400, not a retry."""
+    if not (
+        isinstance(e, grpc.aio.AioRpcError)
+        and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and (e.details() or "").startswith(("grammar:", "sampling.grammar:"))
+    ):
+        return None
+    return FlowError(
+        400, f"the output constraint cannot be used: {e.details()}", code="invalid_value"
+    )
+
+
 class FlowError(Exception):
     """The request cannot be served; `status` is the HTTP status the edge answers with."""
 
@@ -255,6 +270,13 @@ class Flow:
                 chunk.top_logprobs.append(list(zip(top.token_ids, top.logprobs, strict=True)))
             self._sent += 1
             reason = self._finish_reason_at(token_id)
+            if (
+                reason == "length"
+                and event.finished
+                and event.finish_reason == "stop"
+                and i == len(event.token_ids) - 1
+            ):
+                reason = "stop"  # the worker stopped on this very token (a grammar completed)
             if reason is not None:
                 chunk.finished, chunk.finish_reason = True, reason
                 return chunk
@@ -529,6 +551,8 @@ class Flow:
                         raise FlowError(502, "prefill stream ended before the KV transfer was done")
                     break
                 except (grpc.aio.AioRpcError, FlowError) as e:
+                    if (refused := _grammar_refused(e)) is not None:
+                        raise refused from e
                     last_error = (
                         f"{prefill.load.endpoint}: "
                         f"{_rpc_reason(e) if isinstance(e, grpc.aio.AioRpcError) else e}"
@@ -666,6 +690,9 @@ class Flow:
                         "stream without finishing the request",
                     )
                 except grpc.aio.AioRpcError as e:
+                    if not got_token and (refused := _grammar_refused(e)) is not None:
+                        done = True
+                        raise refused from e
                     last_error = f"{worker.load.endpoint}: {_rpc_reason(e)}"
                     self.colocated.mark_failed(worker.load.endpoint)
                     if got_token:

@@ -488,12 +488,15 @@ def _compiled(kind: str, text: str) -> str:
 
 def _grammar_of(param: str, kind: str, value: Any) -> str:
     # Keys keep their order: a schema's property order is the order the JSON is written in.
-    text = value if kind in ("regex", "grammar") else json.dumps(value)
+    try:  # a schema nested near the body parser's limit overflows the stack here
+        text = value if kind in ("regex", "grammar") else json.dumps(value)
+    except RecursionError:
+        raise invalid(param, f"'{param}' is nested too deeply") from None
     if len(text.encode("utf-8")) > grammar.MAX_GRAMMAR_BYTES:
         raise invalid(param, f"'{param}' is longer than {grammar.MAX_GRAMMAR_BYTES} bytes")
     try:
         return _compiled(kind, text)
-    except (grammar.GrammarError, ValueError) as e:
+    except (grammar.GrammarError, ValueError, RecursionError) as e:
         raise invalid(param, f"'{param}' cannot be used: {str(e)[:500]}") from None
 
 
@@ -526,7 +529,8 @@ def _response_format(value: Any) -> str | None:
     for key in ("description",):
         if spec.get(key) is not None and not isinstance(spec[key], str):
             raise _wrong_type(f"{param}.{key}", "a string", spec[key])
-    _bool(spec, "strict")  # typed; the output always follows the schema
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _wrong_type(f"{param}.strict", "a boolean", spec["strict"])  # always followed
     schema = spec.get("schema", {})  # OpenAI: optional (then any JSON)
     if not isinstance(schema, dict):
         raise _wrong_type(f"{param}.schema", "an object", schema)
@@ -568,7 +572,7 @@ def _structured_outputs(value: Any) -> str | None:
         if isinstance(item, str):  # vLLM also takes the schema as a JSON string
             try:
                 item = json.loads(item)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise invalid(param, f"'{param}' is not valid JSON") from None
         if not isinstance(item, dict):
             raise _wrong_type(param, "a JSON schema (an object)", item)
