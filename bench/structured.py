@@ -6,8 +6,8 @@ each request, with ignore_eos, exactly as many tokens as the constrained run gen
 (greedy decoding is deterministic, so a pilot constrained run fixes the lengths), so the batch
 shrinks step by step identically in both. Decode tokens/s = tokens of the steps after every
 request has its first token / those steps' time; the two configurations alternate over --reps
-runs and the median counts. Also measured: the engine's `_grammar_masks` (the bitmask from
-llguidance plus its unpacking to a [rows, vocab] bool mask) and `_advance_grammar` per
+runs and the median counts. Also measured: the engine's `_grammar_masks` (llguidance's
+bitmasks; sample() unpacks them where the logits are) and `_advance_grammar` per
 constrained token, llguidance's mask alone replayed over a generated answer, and the grammar's
 compile time (a first matcher) against a copy of the cached one. Prints a table and writes
 bench/results/structured.json.
@@ -306,7 +306,7 @@ def main() -> int:
     llg_mask_us, consume_us = replay_masks(
         engine.grammars, grammar, answers, vocab, 2 if args.quick else 10
     )
-    # The torch half of _grammar_masks: unpacking [rows, words] int32 bitmasks to bool.
+    # The torch half of the mask, in sample(): unpacking [rows, words] int32 bitmasks to bool.
     words = (vocab + 31) // 32
     unpack_us = {}
     for b in batches:
@@ -337,8 +337,9 @@ def main() -> int:
           "runs; parts: the ratio implied by the timed grammar work (mask + advance + sample's "
           "extra) on top of the free rate; extra: "
           "1/constrained - 1/free per token; per constrained token inside the engine: mask = "
-          "_grammar_masks (llguidance bitmask + unpacking to bool), advance = _advance_grammar "
-          "(consume_token), sample = sample() (masking the logits)")  # fmt: skip
+          "_grammar_masks (llguidance's bitmasks), advance = _advance_grammar "
+          "(consume_token), sample = sample() (unpacking the bitmasks, masking the "
+          "logits)")  # fmt: skip
     print(f"isolated, warm caches (replayed over {len(answers)} answers): llguidance mask "
           f"{llg_mask_us:.1f} us/token, consume_token {consume_us:.1f} us/token; unpack_bitmask "
           "per row: "

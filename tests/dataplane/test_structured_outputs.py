@@ -30,7 +30,8 @@ def stack(tiny_model: Path, launch_module_worker: Any, worker_flags: Any) -> dic
     routers = {}
     for name, pools in {
         "disaggregated": ["--prefill", prefill.endpoint, "--decode", decode.endpoint],
-        "colocated": ["--colocated", colocated.endpoint],
+        # This one refuses tool_choice auto (its model's template would make it hermes).
+        "colocated": ["--colocated", colocated.endpoint, "--tool-call-parser", "none"],
     }.items():
         router = launch_module_worker(
             "router",
@@ -374,8 +375,6 @@ def test_the_tools_reach_the_chat_template(stack: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({"tools": TOOLS}, "tool_choice", "unsupported_parameter"),  # auto, the default
-        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
         ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -470,3 +469,37 @@ def test_one_of_is_served_as_any_of(stack: dict[str, Any]) -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
     )
     assert json.loads(answer.choices[0].message.content or "")["kind"] in ("cat", "dog")
+
+
+def test_auto_tool_choice_answers_in_free_text(stack: dict[str, Any]) -> None:
+    # make-model's template renders calls as <tool_call> JSON, so the router parses hermes
+    # calls; a random-weight model writes none (tests/dataplane/test_tool_parsers.py covers
+    # answers that do), and its text comes back as the content.
+    for tool_choice in (None, "auto"):  # auto is the default with tools
+        extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+        answer = client(stack["base"]).chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            tools=TOOLS,  # type: ignore[arg-type]
+            max_tokens=20,
+            **extra,  # type: ignore[arg-type]
+        )
+        choice = answer.choices[0]
+        assert choice.finish_reason in ("stop", "length")
+        assert isinstance(choice.message.content, str) and not choice.message.tool_calls
+        assert answer.usage is not None
+        assert answer.usage.prompt_tokens > _prompt_tokens(stack) + 20  # the tools are shown
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto"])
+def test_auto_tool_choice_without_a_parser_is_refused(
+    stack: dict[str, Any], tool_choice: str | None
+) -> None:
+    body: dict[str, Any] = {"messages": MESSAGES, "tools": TOOLS}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    r = httpx.post(stack["colocated"] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = _error(r)
+    assert (err["param"], err["code"]) == ("tool_choice", "unsupported_parameter")
+    assert "--tool-call-parser" in err["message"]

@@ -41,7 +41,6 @@ from splitserve_workers.engine.sampling import (
     SamplingParams,
     prompt_logprobs,
     sample,
-    unpack_bitmask,
 )
 from splitserve_workers.engine.scheduler import Scheduler
 from splitserve_workers.engine.sequence import (
@@ -675,9 +674,12 @@ class LLMEngine:
 
 
 def _grammar_masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], torch.Tensor] | None:
-    """The rows of `seqs` under a grammar and what each may sample next ([rows, vocab] bool).
-    A row whose matcher allows nothing (it failed) is left unmasked: its token is then
-    refused by the matcher and the request ends with "error", not the batch."""
+    """The rows of `seqs` under a grammar and llguidance's bitmask of what each may sample next
+    ([rows, ceil(vocab / 32)] int32, on the host: sample() unpacks it where the logits are, so
+    a GPU gets 4 bytes per 32 tokens instead of a bool per token unpacked by the CPU, which
+    costs ~0.6 ms per row at a 152k vocabulary). A row whose matcher allows nothing (it
+    failed) is left unmasked: its token is then refused and the request ends with "error",
+    not the batch."""
     rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not rows:
         return None
@@ -685,12 +687,11 @@ def _grammar_masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], torch.T
     bitmask = torch.empty(len(rows), words, dtype=torch.int32)
     for r, i in enumerate(rows):
         seqs[i].matcher.unsafe_compute_mask_ptr(bitmask[r].data_ptr(), words * 4)
-    allowed = unpack_bitmask(bitmask, vocab)
-    keep = allowed.any(dim=-1).tolist()
+    keep = bitmask.ne(0).any(dim=-1).tolist()
     if not all(keep):
         rows = [i for i, ok in zip(rows, keep, strict=True) if ok]
-        allowed = allowed[torch.tensor(keep)]
-    return rows, allowed
+        bitmask = bitmask[torch.tensor(keep)]
+    return rows, bitmask
 
 
 _SEED_STRIDE = 1_000_003

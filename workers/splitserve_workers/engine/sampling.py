@@ -250,13 +250,11 @@ def adjust_logits(
     return out
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, words] int32 bitmasks (bit t % 32 of word t // 32 set: token t allowed, as
-    llguidance writes them) -> [rows, vocab] bool."""
-    bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1
+    llguidance writes them) -> [rows, vocab] bool, on the bitmask's device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
@@ -271,19 +269,21 @@ def sample(
     """logits: [N, vocab] float32, one row per sequence. Returns token ids, the chosen tokens'
     logprobs (rows that asked) and the top_logprobs alternatives (rows that asked).
     histories (needed when a row has penalties) and states: see adjust_logits.
-    allowed: (rows, [len(rows), vocab] bool) - those rows sample only among their allowed
-    tokens (structured output), after the logit adjustments; logprobs stay the model's."""
+    allowed: (rows, their [len(rows), ceil(vocab / 32)] int32 bitmasks, see unpack_bitmask) -
+    those rows sample only among their allowed tokens (structured output), after the logit
+    adjustments; logprobs stay the model's."""
     scores = logits
     if any(p.adjusts_logits for p in params):
         if histories is None:
             raise ValueError("sample: penalties need each row's token history")
         scores = adjust_logits(logits, params, histories, states)
     if allowed is not None and allowed[0]:
-        rows, mask = allowed
+        rows, bitmask = allowed
         if scores is logits:
             scores = logits.clone()
         index = torch.tensor(rows, device=scores.device)
-        masked = scores.index_select(0, index).masked_fill(~mask.to(scores.device), float("-inf"))
+        mask = unpack_bitmask(bitmask.to(scores.device, non_blocking=True), scores.shape[-1])
+        masked = scores.index_select(0, index).masked_fill(~mask, float("-inf"))
         scores.index_copy_(0, index, masked)
     tokens = torch.argmax(scores, dim=-1).tolist()
     for i, p in enumerate(params):

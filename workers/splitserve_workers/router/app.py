@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from splitserve_workers.engine.tokenizer import NoChatTemplate
 from splitserve_workers.metrics import RouterMetrics, router_metrics
 from splitserve_workers.proto import serving_pb2
 from splitserve_workers.router import openai_api as api
+from splitserve_workers.router import tool_parsers
 from splitserve_workers.router.auth import ENV_VAR, ApiKeys
 from splitserve_workers.router.detok import IncrementalDetokenizer
 from splitserve_workers.router.discovery import (
@@ -90,6 +92,24 @@ class RouterOptions:
     debug_endpoints: bool = False
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none configured: the port is open
     log_requests: bool = False  # a JSON line per generation request (logger splitserve.requests)
+    # How the model writes tool calls, for tool_choice auto (tool_parsers.py): "auto" = what
+    # its chat template shows, "none" = refuse auto.
+    tool_call_parser: str = "auto"
+
+
+def _tool_parser(setting: str, tokenizer: Any) -> str | None:
+    """The tool-call format for tool_choice auto: as set, or ("auto") the one the chat template
+    renders calls in; None: auto is refused."""
+    if setting == "auto":
+        return tool_parsers.detect(getattr(tokenizer, "chat_template", None))
+    if setting == "none":
+        return None
+    if setting not in tool_parsers.PARSERS:
+        raise ConfigError(
+            f"router.tool_call_parser: {setting!r} is not one of auto, none, "
+            + ", ".join(tool_parsers.PARSERS)
+        )
+    return setting
 
 
 def model_config(model_dir: str) -> dict[str, Any]:
@@ -175,6 +195,7 @@ class Router:
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
         # Model vocabularies are often padded past the tokenizer's: the model's size decides.
         self.vocab_size = options.vocab_size or getattr(tokenizer, "vocab_size", None)
+        self.tool_parser = _tool_parser(options.tool_call_parser, tokenizer)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -512,9 +533,20 @@ class Router:
                 raise api.APIError(503, "the router is shutting down", code="draining")
             body = api.parse_json_body(await self._read_body(request))
             header_priority = request.headers.get(api.PRIORITY_HEADER)
-            req = (api.parse_chat if kind == "chat" else api.parse_completion)(
-                body, header_priority
+            parse: Any = (
+                functools.partial(api.parse_chat, tool_parser=self.tool_parser)
+                if kind == "chat"
+                else api.parse_completion
             )
+            if api.CONSTRAINT_FIELDS & body.keys():
+                # Compiling a schema takes up to a second for a large one: on the tokenizer
+                # threads (llguidance releases the GIL), not the event loop, which meanwhile
+                # serves the other streams and the probes.
+                req = await asyncio.get_running_loop().run_in_executor(
+                    self.tokenize_pool, parse, body, header_priority
+                )
+            else:
+                req = parse(body, header_priority)
             if req.model:
                 self._check_model(req.model)
             self._check_logit_bias(req)
@@ -781,6 +813,7 @@ class _Answer:
         # text held back until the whole array of calls can be parsed.
         self.call_ids: dict[int, str] = {}
         self.held: dict[int, list[str]] = collections.defaultdict(list)
+        self.splitters: dict[int, tool_parsers.StreamSplitter] = {}  # tool_choice auto
 
     def call_id(self, run: _Run) -> str:
         if run.index not in self.call_ids:
@@ -928,8 +961,9 @@ class _Answer:
             elif self.req.tool_choice is None:
                 choices.append(api.chat_choice(run.index, text, run.finish_reason, logprobs))
             else:
-                calls, reason = api.tool_calls(self.req, text, run.finish_reason, self.call_id(run))
-                content = None if calls is not None else text
+                content, calls, reason = api.tool_answer(
+                    self.req, text, run.finish_reason, self.call_id(run)
+                )
                 choices.append(api.chat_choice(run.index, content, reason, logprobs, calls))
         return web.json_response(
             api.response(
@@ -941,16 +975,36 @@ class _Answer:
     def _tool_delta(
         self, run: _Run, text: str, reason: str | None
     ) -> tuple[dict[str, Any] | None, str | None]:
-        """A forced tool call's stream delta (None: nothing to send yet) and finish reason. A
+        """A tool-choice answer's stream delta (None: nothing to send yet) and finish reason. A
         named function's arguments stream as they come (OpenAI's shape: the first delta has
         the call's id and name); "required" calls go out whole in the last chunk, once the
-        array parses."""
+        array parses; "auto" streams its content until a call begins, and the calls (or, if
+        they do not parse, the text) go out in the last chunk."""
         delta: dict[str, Any] = {"role": "assistant", "content": None} if run.first else {}
-        call: dict[str, Any] = {"index": 0}
-        if self.req.tool_choice != "required":
+        choice = self.req.tool_choice
+        if choice == "auto":
+            splitter = self.splitters.setdefault(run.index, tool_parsers.StreamSplitter())
+            content = splitter.feed(text)
+            if reason is None:
+                if splitter.held is not None and not content and not run.first:
+                    return None, None  # inside a call
+                return delta | {"content": content}, None
+            pending, held = splitter.finish()
+            content += pending
+            names = {t["function"]["name"] for t in self.req.tools or []}
+            found = tool_parsers.parse(held, names) if held else None
+            if found is None:
+                return delta | {"content": content + held}, reason
+            calls = tool_parsers.calls_with_ids(found[1], self.call_id(run))
+            if content:
+                delta["content"] = content
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            return delta, "tool_calls"
+        if choice != "required":
+            call: dict[str, Any] = {"index": 0}
             if run.first:
                 call |= {"id": self.call_id(run), "type": "function"}
-                call["function"] = {"name": self.req.tool_choice, "arguments": text}
+                call["function"] = {"name": choice, "arguments": text}
             else:
                 call["function"] = {"arguments": text}
             if text or run.first:
@@ -960,11 +1014,11 @@ class _Answer:
         if reason is None:
             return (delta if run.first else None), None
         whole = "".join(self.held.pop(run.index))
-        calls, reason = api.tool_calls(self.req, whole, reason, self.call_id(run))
-        if calls is None:
-            delta["content"] = whole
+        unparsed, required, reason = api.tool_answer(self.req, whole, reason, self.call_id(run))
+        if required is None:
+            delta["content"] = unparsed
         else:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(required)]
         return delta, reason
 
     def _chunk(
@@ -1139,6 +1193,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="log one JSON line per generation request (id, status, tokens, TTFT, workers, "
         "error) on the logger splitserve.requests",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=("auto", "none", *tool_parsers.PARSERS),
+        default=None,
+        help="how the model writes tool calls, for tool_choice auto: auto (default) = the "
+        "format its chat template shows (hermes: <tool_call> JSON, as Qwen's); none = refuse "
+        "tool_choice auto",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -1235,6 +1297,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         ready_without_workers=args.ready_without_workers,
         debug_endpoints=args.debug_endpoints,
         log_requests=bool(args.log_requests or rs.log_requests),
+        tool_call_parser=args.tool_call_parser or rs.tool_call_parser,
         api_keys=ApiKeys.from_environment(args.api_key_file),
     )
     port = args.port if args.port is not None else rs.port

@@ -14,6 +14,7 @@ from typing import Any
 import llguidance
 
 from splitserve_workers.engine import grammar
+from splitserve_workers.router import tool_parsers
 
 INT32_MAX = 2**31 - 1  # top_k and token ids travel to the workers as int32
 PRIORITY_HEADER = "x-splitserve-priority"
@@ -113,7 +114,8 @@ class GenerationRequest:
     # Chat tool calling, forced (tool_choice "required" or a named function): the tools as the
     # chat template receives them, and the mode; the grammar then holds the call's JSON.
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | None = None  # None (free text) | "required" | the forced function's name
+    # None (no tools) | "auto" (free text, parsed for calls) | "required" | a function's name
+    tool_choice: str | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -537,6 +539,9 @@ def _response_format(value: Any) -> str | None:
     return _grammar_of(f"{param}.schema", "json", schema)
 
 
+# The fields whose parsing compiles a grammar (app.py parses such a request off the event loop).
+CONSTRAINT_FIELDS = frozenset({"response_format", "structured_outputs", "tools", "tool_choice"})
+
 # vLLM's structured_outputs: exactly one of these, each a different kind of constraint.
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -788,11 +793,11 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(body: dict[str, Any], req: GenerationRequest) -> None:
+def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str | None) -> None:
     """Forced tool calls: tool_choice "required" (one call or more, of any tool: a JSON array of
     {"name", "parameters"}) or a named function (its arguments: JSON of its parameters' schema).
-    The grammar makes the call well-formed whatever the model; "auto" would have to recognise a
-    call in free text, which needs a parser per model family, and is refused."""
+    The grammar makes the call well-formed whatever the model. "auto": free text, in which the
+    model family's parser (tool_parsers.py) finds the calls; refused without one."""
     tools = _tools(body)
     choice = body.get("tool_choice")
     parallel = _bool(body, "parallel_tool_calls")
@@ -802,12 +807,14 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest) -> None:
         return  # the tools are not shown to the model
     if not tools:
         raise invalid("tool_choice", "'tool_choice' needs 'tools'")
-    if choice == "auto":
+    if choice == "auto" and tool_parser is None:
         raise APIError(
             400,
-            "'tool_choice' auto is not supported by this server: recognising a tool call in "
-            "free text needs a parser per model family. Use 'required' or name the function "
-            '({"type": "function", "function": {"name": ...}}); either forces a valid call.',
+            "'tool_choice' auto needs a tool-call parser for this model, and its chat template "
+            "shows no format the router knows (set the router's --tool-call-parser, e.g. "
+            "hermes). 'required' or a named function "
+            '({"type": "function", "function": {"name": ...}}) works with any model: the '
+            "call is forced, and valid.",
             param="tool_choice",
             code="unsupported_parameter",
         )
@@ -815,8 +822,11 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest) -> None:
         raise invalid(
             "response_format",
             "'response_format' / 'structured_outputs' cannot constrain an answer that "
-            "'tool_choice' forces to be a tool call",
+            "'tool_choice' makes a tool call",
         )
+    if choice == "auto":  # free text; tool_parsers finds the calls in it
+        req.tools, req.tool_choice = tools, "auto"
+        return
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if choice == "required":
         calls: dict[str, Any] = {
@@ -857,41 +867,45 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest) -> None:
     req.tools = tools
 
 
-def tool_calls(
+def tool_answer(
     req: GenerationRequest, text: str, finish_reason: str | None, call_id: str
-) -> tuple[list[dict[str, Any]] | None, str | None]:
-    """A forced answer's tool calls and its finish reason. A named function's call is the text
-    (its arguments; "stop" as OpenAI reports a forced call). "required": the array of calls
-    ("tool_calls"); cut short by max_tokens it does not parse: no calls, the text stays."""
+) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+    """A tool-choice answer as (content, tool calls, finish reason). A named function's call is
+    the text (its arguments; "stop" as OpenAI reports a forced call). "required": the array of
+    calls ("tool_calls"); cut short by max_tokens it does not parse: no calls, the text stays.
+    "auto": the calls the parser finds ("tool_calls"), else the text alone."""
+    if req.tool_choice == "auto":
+        names = {t["function"]["name"] for t in req.tools or []}
+        found = tool_parsers.parse(text, names)
+        if found is None:
+            return text, None, finish_reason
+        content, calls = found
+        return content, tool_parsers.calls_with_ids(calls, call_id), "tool_calls"
     if req.tool_choice != "required":
         call = {"name": req.tool_choice, "arguments": text}
-        return [{"id": call_id, "type": "function", "function": call}], finish_reason
+        return None, [{"id": call_id, "type": "function", "function": call}], finish_reason
     try:
         items = json.loads(text)
     except ValueError:
-        return None, finish_reason
+        return text, None, finish_reason
     calls = [
-        {
-            "id": f"{call_id}_{i}" if i else call_id,
-            "type": "function",
-            "function": {
-                "name": item["name"],
-                "arguments": json.dumps(item["parameters"], ensure_ascii=False),
-            },
-        }
-        for i, item in enumerate(items)
+        {"name": item["name"], "arguments": json.dumps(item["parameters"], ensure_ascii=False)}
+        for item in items
     ]
-    return calls, "tool_calls"
+    return None, tool_parsers.calls_with_ids(calls, call_id), "tool_calls"
 
 
-def parse_chat(body: dict[str, Any], header_priority: str | None = None) -> GenerationRequest:
+def parse_chat(
+    body: dict[str, Any], header_priority: str | None = None, tool_parser: str | None = None
+) -> GenerationRequest:
+    """tool_parser: how this model writes tool calls (tool_parsers.py), for tool_choice auto."""
     req, messages = _begin(body, "chat", CHAT_PARAMS, "messages", header_priority)
     if not isinstance(messages, list):
         raise _wrong_type("messages", "an array", messages)
     if not messages:
         raise invalid("messages", "'messages' must not be empty")
     req.messages = [_message_text(i, m) for i, m in enumerate(messages)]
-    _tool_choice(body, req)
+    _tool_choice(body, req, tool_parser)
     req.n = _n(body, 1)
     # Both are validated; the newer max_completion_tokens wins when both are given.
     max_completion_tokens = _int(body, "max_completion_tokens", 1)

@@ -1,0 +1,130 @@
+"""tool_choice auto: the hermes parser (tool_parsers.py) finds `<tool_call>` JSON calls in a
+model's free text, whole or streamed. A model with random weights never writes a call, so the
+call path is tested here on the text itself, through the router's own delta assembly
+(`_Answer._chunk`); tests/dataplane/test_structured_outputs.py sends auto requests to real
+processes (accepted, tools in the template, answered as text)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from splitserve_workers.router import openai_api as api
+from splitserve_workers.router import tool_parsers
+from splitserve_workers.router.app import _Answer
+
+NAMES = {"get_weather", "pick_color"}
+CALL_1 = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+)
+CALL_2 = (
+    '<tool_call>\n{"name": "pick_color", "arguments": "{\\"color\\": \\"red\\"}"}\n</tool_call>'
+)
+
+
+def test_calls_after_content_are_parsed() -> None:
+    found = tool_parsers.parse("Let me check.\n" + CALL_1 + "\n" + CALL_2, NAMES)
+    assert found is not None
+    content, calls = found
+    assert content == "Let me check.\n"
+    assert [c["name"] for c in calls] == ["get_weather", "pick_color"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Oslo", "days": 2}
+    assert json.loads(calls[1]["arguments"]) == {"color": "red"}  # a JSON string, unwrapped
+    assert tool_parsers.parse(CALL_1, NAMES) == (None, calls[:1])  # no content at all
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no call here",
+        "<tool_call>\n{not json}\n</tool_call>",
+        '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # not a given tool
+        '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',
+        CALL_1 + " and then some words",
+        CALL_1 + " words " + CALL_2,
+        '<tool_call>\n{"name": "get_weather", "arguments": {}}',  # cut before the close
+        "I would write <tool_call> here",
+    ],
+)
+def test_anything_but_well_formed_calls_is_text(text: str) -> None:
+    assert tool_parsers.parse(text, NAMES) is None
+
+
+def test_detect_follows_the_chat_template() -> None:
+    assert tool_parsers.detect("{{ x }}<tool_call>\n{{ c }}\n</tool_call>") == "hermes"
+    assert tool_parsers.detect("{{ messages }}") is None
+    assert tool_parsers.detect(None) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Sure.\n" + CALL_1, "a <toolbox> and <tool_ca", "<<tool_call>" + CALL_1[11:], "plain"],
+)
+def test_the_stream_splitter_releases_exactly_the_content(text: str) -> None:
+    # Whatever the pieces (one character at a time here), content goes out as soon as it is
+    # surely not a tag, and nothing is lost or repeated.
+    for size in (1, 3, 7, len(text)):
+        splitter = tool_parsers.StreamSplitter()
+        released = "".join(splitter.feed(text[i : i + size]) for i in range(0, len(text), size))
+        pending, held = splitter.finish()
+        assert released + pending + held == text
+        at = text.find("<tool_call>")
+        assert held == (text[at:] if at >= 0 else "")
+        if at < 0:
+            assert released == text[: len(text) - len(pending)]
+            assert len(pending) < len("<tool_call>")
+
+
+def auto_answer(tools: list[str]) -> _Answer:
+    """An answer to a tool_choice auto request (call from a running event loop)."""
+    router = SimpleNamespace(options=SimpleNamespace(model_name="m"))
+    req = api.GenerationRequest(kind="chat", model="m", tool_choice="auto")
+    req.tools = [{"type": "function", "function": {"name": n}} for n in tools]
+    return _Answer(router, req, "chatcmpl-x", [])  # type: ignore[arg-type]
+
+
+def stream(text: str, size: int) -> list[dict[str, Any]]:
+    """The chunks a choice streaming `text` in pieces of `size` sends (its deltas' choices)."""
+    answer = auto_answer(sorted(NAMES))
+    run: Any = SimpleNamespace(index=0, first=True)
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    out = []
+    for i, piece in enumerate(pieces):
+        reason = "stop" if i == len(pieces) - 1 else None
+        chunk = answer._chunk(run, piece, reason, None)
+        if chunk is not None:
+            out.append(chunk["choices"][0])
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+async def test_streamed_auto_calls_arrive_whole_in_the_last_chunk(size: int) -> None:
+    text = "Checking.\n" + CALL_1 + "\n" + CALL_2
+    chunks = stream(text, size)
+    assert chunks[0]["delta"]["role"] == "assistant"
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert content == "Checking.\n"
+    assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    last = chunks[-1]
+    assert last["finish_reason"] == "tool_calls"
+    calls = last["delta"]["tool_calls"]
+    assert [(c["index"], c["type"], c["function"]["name"]) for c in calls] == [
+        (0, "function", "get_weather"),
+        (1, "function", "pick_color"),
+    ]
+    assert calls[0]["id"].startswith("call_") and calls[1]["id"] == calls[0]["id"] + "_1"
+    # The whole answer says the same.
+    req = auto_answer(sorted(NAMES)).req
+    whole_content, whole_calls, reason = api.tool_answer(req, text, "stop", calls[0]["id"])
+    assert (whole_content, reason) == ("Checking.\n", "tool_calls")
+    assert whole_calls == [{k: v for k, v in c.items() if k != "index"} for c in calls]
+
+
+async def test_a_streamed_answer_without_calls_is_all_content() -> None:
+    text = "I would write <tool_call> but I will not."
+    chunks = stream(text, 2)
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == text
+    assert chunks[-1]["finish_reason"] == "stop"
+    assert not any("tool_calls" in c["delta"] for c in chunks)
