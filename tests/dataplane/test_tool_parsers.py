@@ -54,6 +54,7 @@ def test_anything_but_well_formed_calls_is_text(text: str) -> None:
 
 def test_detect_follows_the_chat_template() -> None:
     assert tool_parsers.detect("{{ x }}<tool_call>\n{{ c }}\n</tool_call>") == "hermes"
+    assert tool_parsers.detect("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
     assert tool_parsers.detect("{{ messages }}") is None
     assert tool_parsers.detect(None) is None
 
@@ -77,17 +78,36 @@ def test_the_stream_splitter_releases_exactly_the_content(text: str) -> None:
             assert len(pending) < len("<tool_call>")
 
 
-def auto_answer(tools: list[str]) -> _Answer:
+LLAMA_1 = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+LLAMA_2 = '{"name": "pick_color", "parameters": {"color": "red"}}'
+
+
+def test_llama3_json_calls_are_the_whole_answer() -> None:
+    one = tool_parsers.parse(" " + LLAMA_1 + "\n", NAMES, "llama3_json")
+    assert one == (None, [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}])
+    two = tool_parsers.parse(LLAMA_1 + "; " + LLAMA_2, NAMES, "llama3_json")
+    assert two is not None and [c["name"] for c in two[1]] == ["get_weather", "pick_color"]
+    for text in (
+        "The weather is " + LLAMA_1,  # text first: content, as Llama writes calls alone
+        LLAMA_1 + " done",
+        '{"name": "rm_rf", "parameters": {}}',
+        '{"name": "get_weather", "parameters": {"city": ',  # cut short
+        '{"answer": 42}',
+    ):
+        assert tool_parsers.parse(text, NAMES, "llama3_json") is None, text
+
+
+def auto_answer(tools: list[str], parser: str = "hermes") -> _Answer:
     """An answer to a tool_choice auto request (call from a running event loop)."""
     router = SimpleNamespace(options=SimpleNamespace(model_name="m"))
-    req = api.GenerationRequest(kind="chat", model="m", tool_choice="auto")
+    req = api.GenerationRequest(kind="chat", model="m", tool_choice="auto", tool_parser=parser)
     req.tools = [{"type": "function", "function": {"name": n}} for n in tools]
     return _Answer(router, req, "chatcmpl-x", [])  # type: ignore[arg-type]
 
 
-def stream(text: str, size: int) -> list[dict[str, Any]]:
+def stream(text: str, size: int, parser: str = "hermes") -> list[dict[str, Any]]:
     """The chunks a choice streaming `text` in pieces of `size` sends (its deltas' choices)."""
-    answer = auto_answer(sorted(NAMES))
+    answer = auto_answer(sorted(NAMES), parser)
     run: Any = SimpleNamespace(index=0, first=True)
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
     out = []
@@ -128,3 +148,21 @@ async def test_a_streamed_answer_without_calls_is_all_content() -> None:
     assert "".join(c["delta"].get("content") or "" for c in chunks) == text
     assert chunks[-1]["finish_reason"] == "stop"
     assert not any("tool_calls" in c["delta"] for c in chunks)
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+async def test_streamed_llama3_json_calls_and_content(size: int) -> None:
+    calls_chunks = stream("\n" + LLAMA_1 + ";" + LLAMA_2, size, "llama3_json")
+    assert not "".join(c["delta"].get("content") or "" for c in calls_chunks).strip()
+    last = calls_chunks[-1]
+    assert last["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in last["delta"]["tool_calls"]] == [
+        "get_weather",
+        "pick_color",
+    ]
+    text = "  It is sunny, no call needed."
+    chunks = stream(text, size, "llama3_json")
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == text
+    assert chunks[-1]["finish_reason"] == "stop"
+    if size == 1:  # content streams once the first character shows it is not a call
+        assert len(chunks) > len(text) // 2

@@ -58,7 +58,7 @@ class RouterSettings:
     decode_policy: str = "cache_aware"
     max_request_bytes: int = 4 << 20
     log_requests: bool = False  # a JSON log line per generation request
-    # tool_choice auto: auto (the chat template's format) | none | hermes
+    # tool_choice auto: auto (the chat template's format) | none | hermes | llama3_json
     tool_call_parser: str = "auto"
     # Reserve sends the prompt, so a decode worker skips the KV its prefix cache holds.
     decode_kv_reuse: bool = True

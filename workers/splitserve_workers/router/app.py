@@ -983,7 +983,8 @@ class _Answer:
         delta: dict[str, Any] = {"role": "assistant", "content": None} if run.first else {}
         choice = self.req.tool_choice
         if choice == "auto":
-            splitter = self.splitters.setdefault(run.index, tool_parsers.StreamSplitter())
+            parser = self.req.tool_parser or "hermes"
+            splitter = self.splitters.setdefault(run.index, tool_parsers.StreamSplitter(parser))
             content = splitter.feed(text)
             if reason is None:
                 if splitter.held is not None and not content and not run.first:
@@ -992,7 +993,7 @@ class _Answer:
             pending, held = splitter.finish()
             content += pending
             names = {t["function"]["name"] for t in self.req.tools or []}
-            found = tool_parsers.parse(held, names) if held else None
+            found = tool_parsers.parse(held, names, parser) if held else None
             if found is None:
                 return delta | {"content": content + held}, reason
             calls = tool_parsers.calls_with_ids(found[1], self.call_id(run))
@@ -1198,8 +1199,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "none", *tool_parsers.PARSERS),
         default=None,
         help="how the model writes tool calls, for tool_choice auto: auto (default) = the "
-        "format its chat template shows (hermes: <tool_call> JSON, as Qwen's); none = refuse "
-        "tool_choice auto",
+        "format its chat template shows (hermes: <tool_call> JSON, as Qwen's; llama3_json: "
+        "Llama 3.1's JSON calls); none = refuse tool_choice auto",
     )
     parser.add_argument("--log-level", default="INFO")
 

@@ -116,6 +116,7 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None
     # None (no tools) | "auto" (free text, parsed for calls) | "required" | a function's name
     tool_choice: str | None = None
+    tool_parser: str | None = None  # with "auto": the format the model writes calls in
 
     @property
     def prompt_param(self) -> str:
@@ -825,7 +826,7 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
             "'tool_choice' makes a tool call",
         )
     if choice == "auto":  # free text; tool_parsers finds the calls in it
-        req.tools, req.tool_choice = tools, "auto"
+        req.tools, req.tool_choice, req.tool_parser = tools, "auto", tool_parser
         return
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if choice == "required":
@@ -876,7 +877,7 @@ def tool_answer(
     "auto": the calls the parser finds ("tool_calls"), else the text alone."""
     if req.tool_choice == "auto":
         names = {t["function"]["name"] for t in req.tools or []}
-        found = tool_parsers.parse(text, names)
+        found = tool_parsers.parse(text, names, req.tool_parser or "hermes")
         if found is None:
             return text, None, finish_reason
         content, calls = found
