@@ -15,6 +15,9 @@ from typing import Any
 
 from .autoscaler import RatioBounds, Targets, unreachable_ratio
 
+# spec.router.toolCallParser (the router's tool_parsers.PARSERS plus auto and none; a test
+# checks they agree: the operator does not import the router).
+TOOL_CALL_PARSERS = ("auto", "none", "hermes", "llama3_json")
 AUTOSCALING_MODES = ("Builtin", "HPA", "KEDA", "Off")
 POOLS = ("router", "prefill", "decode")
 # The pod template's own mounts (podtemplate.py; tests keep the two and the CRD's rule equal):
@@ -219,6 +222,12 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
         if not isinstance(log_requests, bool):
             raise SpecError(f"{path}.logRequests: {log_requests!r} is not a boolean")
         settings["logRequests"] = log_requests
+        parser = data.get("toolCallParser", "auto")
+        if parser not in TOOL_CALL_PARSERS:
+            raise SpecError(
+                f"{path}.toolCallParser: {parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
+            )
+        settings["toolCallParser"] = parser
         secret = data.get("apiKeySecret")
         if secret is not None:
             if not isinstance(secret, dict) or not secret.get("name"):

@@ -50,6 +50,7 @@ def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str
             prefill_service=f"{prefill_host}:{PREFILL_PORT}",
             decode_service=f"{decode_host}:{DECODE_PORT}",
             log_requests=spec.router.settings["logRequests"],
+            tool_call_parser=spec.router.settings["toolCallParser"],
         ),
         slo=SLOSettings(
             ttft_seconds=spec.ttft_seconds,

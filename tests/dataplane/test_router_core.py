@@ -183,7 +183,7 @@ def test_completion_errors_name_the_param(body: dict, param: str, code: str) -> 
         ),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "tools",
+            "tools[0].function",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ],

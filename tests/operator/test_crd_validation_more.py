@@ -634,6 +634,18 @@ def test_log_requests_is_a_boolean(
 
 
 @pytest.mark.cluster
+def test_tool_call_parser_is_one_the_router_knows(
+    control_plane: Any, cluster_release: Any, namespace: str
+) -> None:
+    ok = llmservice({"router": {"toolCallParser": "llama3_json"}})
+    assert dry_run(control_plane, namespace, ok).returncode == 0
+    proc = dry_run(control_plane, namespace, llmservice({"router": {"toolCallParser": "xml"}}))
+    assert (
+        proc.returncode != 0 and "spec.router.toolCallParser: Unsupported value" in proc.stderr
+    ), proc.stderr
+
+
+@pytest.mark.cluster
 def test_replica_bounds_are_reported_once_each(
     control_plane: Any, cluster_release: Any, namespace: str
 ) -> None:

@@ -159,6 +159,13 @@ def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
     spec["router"] = {"logRequests": "yes"}  # stored before the schema (which refuses it)
     with pytest.raises(SpecError, match=r"^spec\.router\.logRequests: "):
         parse_spec(spec)
+    assert config.router.tool_call_parser == "auto"
+    spec["router"] = {"toolCallParser": "hermes"}
+    text = build(spec)[("ConfigMap", "chat-config")]["data"]["config.yaml"]
+    assert ServingConfig.from_yaml(text).router.tool_call_parser == "hermes"
+    spec["router"] = {"toolCallParser": "xml"}
+    with pytest.raises(SpecError, match=r"^spec\.router\.toolCallParser: "):
+        parse_spec(spec)
     assert (config.slo.ttft_seconds, config.slo.tpot_seconds, config.slo.percentile) == (
         0.3,
         0.04,

@@ -816,6 +816,7 @@ def test_crd_defaults_and_printer_columns(
         "port": 8000,
         "serviceType": "ClusterIP",
         "logRequests": False,
+        "toolCallParser": "auto",
         "topologySpread": {
             "enabled": True,
             "maxSkew": 1,

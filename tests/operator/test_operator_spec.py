@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +31,12 @@ def test_defaults_match_the_crd_schema() -> None:
     assert spec.model_dtype == "auto"
     assert spec.mount_path == "/models"
     assert spec.router.replicas == spec.prefill.replicas == spec.decode.replicas == 1
-    assert spec.router.settings == {"port": 8000, "serviceType": "ClusterIP", "logRequests": False}
+    assert spec.router.settings == {
+        "port": 8000,
+        "serviceType": "ClusterIP",
+        "logRequests": False,
+        "toolCallParser": "auto",
+    }
     assert spec.prefill.settings == {"maxBatchTokens": 8192}
     assert spec.decode.settings == {"maxBatchSize": 128, "blockSize": 16}
     assert (spec.ttft_seconds, spec.tpot_seconds, spec.percentile) == (0.5, 0.05, 95.0)
@@ -228,3 +234,22 @@ def test_router_gets_default_requests_unless_resources_are_set() -> None:
     # Defaults are copies: one parsed spec's dict cannot change another's.
     spec.pool("router").resources["requests"]["cpu"] = "9"
     assert parse_spec(base).pool("router").resources["requests"]["cpu"] == "250m"
+
+
+def test_tool_call_parsers_are_the_routers() -> None:
+    # The operator does not import the router; its list of spec.router.toolCallParser values
+    # (and the CRD's enum) must still be what the router takes.
+    import yaml
+    from splitserve_operator.spec import TOOL_CALL_PARSERS
+    from splitserve_workers.router import tool_parsers
+
+    assert TOOL_CALL_PARSERS == ("auto", "none", *tool_parsers.PARSERS)
+    crd = yaml.safe_load(
+        (
+            Path(__file__).parents[2]
+            / "operator/splitserve_operator/crd/llmservices.splitserve.io.yaml"
+        ).read_text()
+    )
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    router = schema["properties"]["spec"]["properties"]["router"]["properties"]
+    assert tuple(router["toolCallParser"]["enum"]) == TOOL_CALL_PARSERS
