@@ -14,7 +14,14 @@ import httpx
 import openai
 import pytest
 from structured_schemas import PERSON, check_person
-from test_openai_client import _error, _post, assert_blocks_back, decode_load, wait_ready
+from test_openai_client import (
+    _error,
+    _post,
+    _request_log,
+    assert_blocks_back,
+    decode_load,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +34,15 @@ def stack(tiny_model: Path, launch_module_worker: Any, worker_flags: Any) -> dic
     prefill = launch_module_worker("prefill", worker_flags(tiny_model))
     decode = launch_module_worker("decode", worker_flags(tiny_model, "--num-kv-blocks", "512"))
     colocated = launch_module_worker("colocated", worker_flags(tiny_model))
-    routers = {}
+    routers, processes = {}, {}
     for name, pools in {
-        "disaggregated": ["--prefill", prefill.endpoint, "--decode", decode.endpoint],
+        "disaggregated": [
+            "--prefill",
+            prefill.endpoint,
+            "--decode",
+            decode.endpoint,
+            "--log-requests",
+        ],
         # This one refuses tool_choice auto (its model's template would make it hermes).
         "colocated": ["--colocated", colocated.endpoint, "--tool-call-parser", "none"],
     }.items():
@@ -49,8 +62,14 @@ def stack(tiny_model: Path, launch_module_worker: Any, worker_flags: Any) -> dic
             name=f"router-{name}",
         )
         routers[name] = f"http://127.0.0.1:{router.port}"
+        processes[name] = router
         wait_ready(routers[name])
-    return {"base": routers["disaggregated"], "colocated": routers["colocated"], "decode": decode}
+    return {
+        "base": routers["disaggregated"],
+        "colocated": routers["colocated"],
+        "decode": decode,
+        "router": processes["disaggregated"],
+    }
 
 
 def client(base: str) -> openai.OpenAI:
@@ -503,3 +522,18 @@ def test_auto_tool_choice_without_a_parser_is_refused(
     err = _error(r)
     assert (err["param"], err["code"]) == ("tool_choice", "unsupported_parameter")
     assert "--tool-call-parser" in err["message"]
+
+
+def test_the_request_log_names_the_constraint(stack: dict[str, Any]) -> None:
+    c = client(stack["base"])
+    kw: dict[str, Any] = dict(model="tiny", messages=MESSAGES, max_tokens=60)
+    schema = c.chat.completions.create(response_format=PERSON_FORMAT, **kw)
+    assert _request_log(stack, schema.id)["constraint"] == "json_schema"
+    regex = c.chat.completions.create(extra_body={"structured_outputs": {"regex": "[ab]+"}}, **kw)
+    assert _request_log(stack, regex.id)["constraint"] == "structured_outputs.regex"
+    named = c.chat.completions.create(tools=TOOLS, tool_choice=NAMED, **kw)
+    record = _request_log(stack, named.id)
+    assert (record["constraint"], record["tool_choice"]) == ("tool_choice.function", "function")
+    plain = c.chat.completions.create(**kw)
+    record = _request_log(stack, plain.id)
+    assert (record["constraint"], record["tool_choice"]) == (None, None)

@@ -631,6 +631,8 @@ def log_request(
             "kv_bytes": sum(r.flow.stats.kv_transfer_bytes for r in answer.runs),
             "finish_reasons": [run.finish_reason for run in answer.runs],
             "priority": answer.req.priority,
+            "constraint": answer.req.constraint,  # response_format.type, structured_outputs.*
+            "tool_choice": "function" if _named(answer.req.tool_choice) else answer.req.tool_choice,
             "stream": answer.req.stream,
             "ttft_ms": round((min(first) - arrival) * 1000, 1) if first else None,
             "prefill": sorted({r.flow.stats.prefill_endpoint for r in answer.runs} - {""}),
@@ -645,6 +647,11 @@ def log_request(
     if error_text:
         record["error"] = error_text
     request_log.info("%s", json.dumps(record, separators=(",", ":")))
+
+
+def _named(tool_choice: str | None) -> bool:
+    """A tool_choice that names a function (not auto, required, or none given)."""
+    return tool_choice not in (None, "auto", "required")
 
 
 Chunk = tuple[str, str | None, list[api.TokenLogprob]]  # text delta, finish reason, logprobs

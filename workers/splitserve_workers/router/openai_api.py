@@ -111,6 +111,7 @@ class GenerationRequest:
     # Structured output (response_format / structured_outputs): the grammar the output must
     # match, in llguidance's format (engine/grammar.py); None = free text.
     grammar: str | None = None
+    constraint: str | None = None  # what the grammar came from (for the request log)
     # Chat tool calling, forced (tool_choice "required" or a named function): the tools as the
     # chat template receives them, and the mode; the grammar then holds the call's JSON.
     tools: list[dict[str, Any]] | None = None
@@ -470,7 +471,7 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     if model is not None and not isinstance(model, str):
         raise _wrong_type("model", "a string", model)
     req.model = model or ""
-    req.grammar = _grammar(body)
+    req.grammar, req.constraint = _grammar(body)
 
 
 # ---- structured output ---------------------------------------------------------------------
@@ -590,7 +591,9 @@ def _structured_outputs(value: Any) -> str | None:
     return _grammar_of(param, kind, item)
 
 
-def _grammar(body: dict[str, Any]) -> str | None:
+def _grammar(body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The request's grammar and what it came from: response_format's type, or
+    structured_outputs.<kind>."""
     response_format = body.get("response_format")
     structured = body.get("structured_outputs")
     if response_format is not None and structured is not None:
@@ -601,8 +604,12 @@ def _grammar(body: dict[str, Any]) -> str | None:
                 "'structured_outputs' and a JSON 'response_format' cannot both be given",
             )
     if structured is not None:
-        return _structured_outputs(structured)
-    return None if response_format is None else _response_format(response_format)
+        kind = next((k for k in _STRUCTURED_KINDS if structured.get(k) is not None), None)
+        return _structured_outputs(structured), f"structured_outputs.{kind}"
+    if response_format is None:
+        return None, None
+    found = _response_format(response_format)
+    return found, None if found is None else str(response_format["type"])
 
 
 def _begin(
@@ -849,6 +856,7 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
             calls["maxItems"] = 1
         req.grammar = _grammar_of("tools", "json", calls)
         req.tool_choice = "required"
+        req.constraint = "tool_choice.required"
     else:
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
@@ -865,6 +873,7 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
             )
         req.grammar = _grammar_of("tools", "json", by_name[name])
         req.tool_choice = name
+        req.constraint = "tool_choice.function"
     req.tools = tools
 
 
