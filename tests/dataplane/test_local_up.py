@@ -47,9 +47,11 @@ def test_up_demo_on_a_fresh_cache_runs_and_exits_zero(tmp_path: Path) -> None:
     # Built the model once into the cache it was given.
     assert (cache / "models" / "tiny-llama" / "config.json").is_file()
     assert re.search(r"splitserve is up: http://127\.0\.0\.1:\d+/v1", out)
-    assert out.count("assistant: ") == 3
+    assert out.count("assistant: ") == 4
+    # The last answer is held to a JSON schema: valid JSON even from random weights.
+    assert "(valid JSON with keys age, indoor, name: the grammar, not the weights)" in out
     table = re.findall(r"^\s+\d+\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
-    assert len(table) == 3, out
+    assert len(table) == 4, out
     for prompt_tokens, output_tokens, ttft_ms, _tpot_ms in table:
         assert int(prompt_tokens) > 0 and int(output_tokens) > 0 and float(ttft_ms) > 0
     assert "stopping" in out

@@ -41,6 +41,18 @@ DEMO_PROMPTS = (
     "Write a haiku about a KV cache moving between two machines.",
     "List three things a router measures at the edge.",
 )
+# The demo's last request: held to this schema, even random weights answer with valid JSON.
+DEMO_SCHEMA_PROMPT = "Describe a cat as JSON."
+DEMO_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "indoor": {"type": "boolean"},
+    },
+    "required": ["name", "age", "indoor"],
+    "additionalProperties": False,
+}
 
 
 def cache_dir() -> Path:
@@ -273,9 +285,15 @@ async def _wait_ready(base: str, timeout: float = 120.0) -> None:
 
 
 async def stream_chat(
-    base: str, model: str, prompt: str, max_tokens: int = 32, echo: bool = True
+    base: str,
+    model: str,
+    prompt: str,
+    max_tokens: int = 32,
+    echo: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streaming chat request over plain HTTP/SSE; returns text and measured latencies."""
+    """One streaming chat request over plain HTTP/SSE (`extra`: more request fields); returns
+    text and measured latencies."""
     import aiohttp
 
     body = {
@@ -285,6 +303,7 @@ async def stream_chat(
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     start = time.monotonic()
     first: float | None = None
@@ -339,9 +358,26 @@ async def run_demo(base: str, model: str, random_weights: bool) -> None:
             "streaming and the timings are real)"
         )
     results = []
+    total = len(DEMO_PROMPTS) + 1
     for i, prompt in enumerate(DEMO_PROMPTS, 1):
-        print(f"\n[{i}/{len(DEMO_PROMPTS)}] user: {prompt}\nassistant: ", end="", flush=True)
+        print(f"\n[{i}/{total}] user: {prompt}\nassistant: ", end="", flush=True)
         results.append(await stream_chat(base, model, prompt))
+    print(
+        f"\n[{total}/{total}] user: {DEMO_SCHEMA_PROMPT}  (response_format: a JSON schema)"
+        "\nassistant: ",
+        end="",
+        flush=True,
+    )
+    schema_format = {"type": "json_schema", "json_schema": {"name": "cat", "schema": DEMO_SCHEMA}}
+    result = await stream_chat(
+        base, model, DEMO_SCHEMA_PROMPT, 64, extra={"response_format": schema_format}
+    )
+    results.append(result)
+    try:
+        keys = sorted(json.loads(result["text"]))
+        print(f"(valid JSON with keys {', '.join(keys)}: the grammar, not the weights)")
+    except ValueError:
+        print("(not valid JSON: cut by max_tokens)")
     print("\n request  prompt tok  output tok   TTFT (ms)   TPOT (ms)")
     for i, r in enumerate(results, 1):
         print(
