@@ -298,6 +298,21 @@ def test_a_named_tool_choice_forces_a_valid_call(stack: dict[str, Any]) -> None:
     assert len(ids) == 3
 
 
+def test_stop_strings_do_not_cut_a_forced_call(stack: dict[str, Any]) -> None:
+    answer = client(stack["base"]).chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=NAMED,  # type: ignore[arg-type]
+        stop=[",", '"'],  # in every answer of PERSON's
+        seed=4,
+        temperature=1.0,
+        max_tokens=200,
+    )
+    (call,) = answer.choices[0].message.tool_calls or []
+    check_call(call.function.name, call.function.arguments)
+
+
 def test_required_tool_choice_gives_calls_of_the_given_tools(stack: dict[str, Any]) -> None:
     answer = client(stack["base"]).chat.completions.create(
         model="tiny",
@@ -475,16 +490,21 @@ def test_a_grammar_complete_at_max_tokens_is_a_stop(stack: dict[str, Any]) -> No
 
 def test_one_of_is_served_as_any_of(stack: dict[str, Any]) -> None:
     # pydantic writes a discriminated union as oneOf.
-    schema = {
-        "oneOf": [
-            {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
-            {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]},
-        ]
-    }
+    pets = [
+        {
+            "type": "object",
+            "properties": {"kind": {"const": kind}},
+            "required": ["kind"],
+            "additionalProperties": False,
+        }
+        for kind in ("cat", "dog")
+    ]
+    schema = {"oneOf": pets}
     answer = client(stack["base"]).chat.completions.create(
         model="tiny",
         messages=MESSAGES,  # type: ignore[arg-type]
         max_tokens=60,
+        temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
     )
     assert json.loads(answer.choices[0].message.content or "")["kind"] in ("cat", "dog")

@@ -166,3 +166,58 @@ async def test_streamed_llama3_json_calls_and_content(size: int) -> None:
     assert chunks[-1]["finish_reason"] == "stop"
     if size == 1:  # content streams once the first character shows it is not a call
         assert len(chunks) > len(text) // 2
+
+
+@pytest.mark.parametrize(
+    "text, parser",
+    [
+        ('<tool_call>{"name": ["get_weather"], "arguments": {}}</tool_call>', "hermes"),
+        ('<tool_call>{"name": {"a": 1}, "arguments": {}}</tool_call>', "hermes"),
+        ('{"name": ["get_weather"], "parameters": {}}', "llama3_json"),
+        ('{"name": "get_weather", "parameters": {}}; 5', "llama3_json"),
+    ],
+)
+def test_a_call_of_the_wrong_shape_is_text_not_an_error(text: str, parser: str) -> None:
+    # The model writes what it writes: a name that is not a string, or a non-object after
+    # ';', is no call (these raised TypeError: a 500 after the whole generation).
+    assert tool_parsers.parse(text, NAMES, parser) is None
+
+
+def _required_grammar(*tools: dict[str, Any]) -> str:
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": list(tools)}
+    req = api.parse_chat(body | {"tool_choice": "required"}, None, "hermes")
+    assert req.grammar is not None
+    return req.grammar
+
+
+def test_required_keeps_each_tools_local_refs() -> None:
+    # A tool's "#/$defs/X" (pydantic's nested models) or "#" resolved against the array of
+    # calls around it: a 400 "Pointer ... does not exist", or silently the wrong grammar.
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}}
+    with_defs = {
+        "type": "object",
+        "$defs": {"Loc": loc},
+        "properties": {"at": {"$ref": "#/$defs/Loc"}},
+    }
+    recursive = {
+        "type": "object",
+        "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+    }
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": with_defs}},
+        {"type": "function", "function": {"name": "g", "parameters": recursive}},
+    ]
+    grammar = json.loads(_required_grammar(*tools))["grammars"][0]["json_schema"]
+    assert grammar["$defs"]["tool0"]["properties"]["at"] == {"$ref": "#/$defs/tool0/$defs/Loc"}
+    assert grammar["$defs"]["tool1"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/tool1"}
+
+
+def test_a_tool_choice_name_of_the_wrong_type_is_a_400() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": ["f"]}},
+    }
+    with pytest.raises(api.APIError) as e:
+        api.parse_chat(body, None, "hermes")
+    assert e.value.status == 400 and e.value.param == "tool_choice"

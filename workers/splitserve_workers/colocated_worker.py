@@ -47,6 +47,7 @@ class ColocatedRole:
             await context.abort(invalid, why)
         try:
             params = rt.sampling_from_proto(request.sampling)
+            await rt.compile_grammar(self.loop.engine, params)
             stream = self.loop.submit(
                 rid,
                 list(request.prompt_token_ids),

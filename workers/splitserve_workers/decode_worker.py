@@ -378,6 +378,7 @@ class DecodeRole:
                     f"{res.num_prompt_tokens} were reserved"
                 )
             prompt = list(request.prompt_token_ids)
+            await rt.compile_grammar(self.engine, params)
         except ValueError as e:
             self._fail(res, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -89,6 +89,7 @@ class PrefillRole:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         try:
             params = rt.sampling_from_proto(request.sampling)
+            await rt.compile_grammar(self.loop.engine, params)
         except ValueError as e:
             await context.abort(invalid, str(e))
             return

@@ -386,6 +386,23 @@ def request_problem(
     return None
 
 
+async def compile_grammar(engine: Any, params: Any) -> None:
+    """Compiles a request's grammar into the engine's cache on a thread (llguidance releases
+    the GIL), so that adding the request on the event loop finds it compiled: a large schema
+    takes a second or more, which on the loop held every other stream of this worker.
+    ValueError ("grammar: ...", as the engine's) if it cannot be used."""
+    if getattr(params, "grammar", None) is None:
+        return
+    from splitserve_workers.engine.grammar import GrammarError
+
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            None, engine.grammars.matcher, params.grammar
+        )
+    except GrammarError as e:
+        raise ValueError(f"grammar: {e}") from e
+
+
 def _float32(value: float) -> float:
     return float(struct.unpack("f", struct.pack("f", value))[0])
 

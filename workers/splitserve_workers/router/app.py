@@ -1072,6 +1072,9 @@ class _Answer:
             )
             await response.prepare(request)
             pending = [first] if first is not None else []
+            # A tool call's text held back (sent whole at the end) keeps its tokens' logprobs
+            # for the chunk that finally carries it.
+            held_entries: dict[int, list[api.TokenLogprob]] = {}
             try:
                 with self._cut_is_an_error():
                     while True:
@@ -1084,10 +1087,13 @@ class _Answer:
                             run, (text, reason, entries) = item
                         if run.first and self.req.echo:
                             text = run.prompt_text + text
+                        entries = held_entries.pop(run.index, []) + entries
                         logprobs = run.logprobs_object(entries)
                         chunk = self._chunk(run, text, reason, logprobs)
                         if chunk is not None:
                             await response.write(api.sse(chunk))
+                        elif entries:
+                            held_entries[run.index] = entries
             except FlowError as e:
                 # Tokens already went out: the status line is sent, so the error is an event
                 # (a dead decode worker, or the router's drain deadline).

@@ -789,8 +789,12 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         names.add(name)
         if function.get("description") is not None and not isinstance(function["description"], str):
             raise _wrong_type(f"{param}.function.description", "a string", function["description"])
-        _bool(function, "strict")
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise _wrong_type(f"{param}.function.strict", "a boolean", function["strict"])
+        # No parameters: the call takes none (its arguments are {}), as OpenAI's.
+        parameters = function.get(
+            "parameters", {"type": "object", "properties": {}, "additionalProperties": False}
+        )
         if not isinstance(parameters, dict):
             raise _wrong_type(
                 f"{param}.function.parameters", "a JSON schema (an object)", parameters
@@ -799,6 +803,39 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         _grammar_of(f"{param}.function.parameters", "json", parameters)
         out.append({"type": "function", "function": {**function, "parameters": parameters}})
     return out
+
+
+# Keywords whose values are data, not schemas: a "$ref" key in them is not a reference.
+_SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})
+
+
+def _has_local_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return any(
+            (k == "$ref" and isinstance(v, str) and v.startswith("#"))
+            or (k not in _SCHEMA_DATA and _has_local_ref(v))
+            for k, v in schema.items()
+        )
+    return isinstance(schema, list) and any(_has_local_ref(v) for v in schema)
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local $refs ("#" + pointer) re-pointed under `base`, where the schema
+    is placed within a larger one."""
+    if isinstance(schema, dict):
+        return {
+            k: (
+                base + v[1:]
+                if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else v
+                if k in _SCHEMA_DATA
+                else _rebased(v, base)
+            )
+            for k, v in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    return schema
 
 
 def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str | None) -> None:
@@ -835,8 +872,18 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
     if choice == "auto":  # free text; tool_parsers finds the calls in it
         req.tools, req.tool_choice, req.tool_parser = tools, "auto", tool_parser
         return
+    # A forced call ends where its grammar does: a stop string (agent frameworks send theirs
+    # with the tools) or stop token would cut its JSON and still report "stop".
+    req.stop, req.stop_token_ids = [], []
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if choice == "required":
+        # A tool's schema sits inside the array's: its local $refs ("#/$defs/X", "#") would
+        # resolve against the array, so each such schema goes under $defs and its refs with it.
+        defs: dict[str, Any] = {}
+        for i, (name, schema) in enumerate(by_name.items()):
+            if _has_local_ref(schema):
+                defs[f"tool{i}"] = _rebased(schema, f"#/$defs/tool{i}")
+                by_name[name] = {"$ref": f"#/$defs/tool{i}"}
         calls: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
@@ -852,6 +899,8 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
                 ]
             },
         }
+        if defs:
+            calls["$defs"] = defs
         if parallel is False:
             calls["maxItems"] = 1
         req.grammar = _grammar_of("tools", "json", calls)
@@ -867,7 +916,7 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
                 '{"type": "function", "function": {"name": ...}}, got '
                 f"{json.dumps(choice)[:80]}",
             )
-        if name not in by_name:
+        if not isinstance(name, str) or name not in by_name:
             raise invalid(
                 "tool_choice", f"'tool_choice' names {json.dumps(name)[:80]}, which no tool is"
             )

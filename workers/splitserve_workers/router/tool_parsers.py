@@ -37,7 +37,9 @@ def detect(chat_template: str | None) -> str | None:
 
 def _call(value: Any, tool_names: set[str], key: str) -> dict[str, str] | None:
     """{"name", "arguments" as a JSON string} of one written call, None if it is not one."""
-    if not isinstance(value, dict) or value.get("name") not in tool_names:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if value["name"] not in tool_names:
         return None
     arguments = value.get(key, {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
@@ -92,7 +94,8 @@ def _parse_llama3(text: str, tool_names: set[str]) -> tuple[None, list[dict[str,
             value, at = decoder.raw_decode(text, at)
         except ValueError:
             return None
-        call = _call(value, tool_names, "parameters" if "parameters" in value else "arguments")
+        key = "parameters" if isinstance(value, dict) and "parameters" in value else "arguments"
+        call = _call(value, tool_names, key)
         if call is None:
             return None
         calls.append(call)
