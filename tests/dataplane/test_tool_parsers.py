@@ -44,12 +44,19 @@ def test_calls_after_content_are_parsed() -> None:
         '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',
         CALL_1 + " and then some words",
         CALL_1 + " words " + CALL_2,
-        '<tool_call>\n{"name": "get_weather", "arguments": {}}',  # cut before the close
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": ',  # cut inside the JSON
         "I would write <tool_call> here",
     ],
 )
 def test_anything_but_well_formed_calls_is_text(text: str) -> None:
     assert tool_parsers.parse(text, NAMES) is None
+
+
+def test_a_last_call_without_its_closing_tag_counts() -> None:
+    # stop=["</tool_call>"], or EOS right after the JSON, ends the text before the close.
+    unclosed = CALL_2.removesuffix("\n</tool_call>")
+    found = tool_parsers.parse("Hm.\n" + CALL_1 + "\n" + unclosed, NAMES)
+    assert found is not None and [c["name"] for c in found[1]] == ["get_weather", "pick_color"]
 
 
 def test_detect_follows_the_chat_template() -> None:

@@ -77,7 +77,19 @@ def parse(
         if call is None:
             return None
         calls.append(call)
-    if not calls or rest[end:].strip():
+    tail = rest[end:].strip()
+    if tail.startswith(OPEN) and CLOSE not in tail:
+        # The last call unclosed: a stop string "</tool_call>" (or EOS right after the JSON)
+        # ends the text there, and the call is whole all the same.
+        try:
+            call = _call(json.loads(tail[len(OPEN) :]), tool_names, "arguments")
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+        tail = ""
+    if not calls or tail:
         return None
     content = text[:start]
     return (content if content.strip() else None), calls
