@@ -207,3 +207,22 @@ def test_compiled_grammars_are_shared_not_their_state(
     )
     for ids in outs:
         assert re.fullmatch("[a-z]{4,8}", engine.tokenizer.decode(ids))
+
+
+def test_a_preempted_constrained_sequence_resumes_its_grammar(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # Preemption drops a sequence's KV and recomputes it from prompt + output; its matcher
+    # keeps its place, so the answer is the one an unpressed engine gives, and valid.
+    grammar = G.json_schema(PERSON)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=200, grammar=grammar) for s in range(3)
+    ]
+    engine = make_engine(block_size=4, num_kv_blocks=40)
+    prompts = [prompt_ids(engine, 8, salt=i) for i in range(3)]
+    reference = make_engine().generate(prompts, params)
+    assert engine.generate(prompts, params) == reference
+    assert engine.stats().preemptions_total > 0
+    assert engine.stats().free_blocks == 40
+    for ids in reference:
+        check_person(json.loads(engine.tokenizer.decode(ids)))
