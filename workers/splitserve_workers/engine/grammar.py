@@ -95,6 +95,20 @@ def lark(text: str) -> str:
     return _checked(llguidance.LLMatcher.grammar_from_lark(text))
 
 
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def executor() -> llguidance.LLExecutor:
+    """llguidance's thread pool, shared by the process's engines: a batch's masks are computed
+    in parallel (its default: 80% of the CPUs, at most 32)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
 class Grammars:
     """One engine's compiled grammars and the tokenizer view they are compiled against.
     Thread-safe: requests arrive on gRPC threads, while the engine's step thread uses the

@@ -33,7 +33,7 @@ import torch
 
 from splitserve_workers.engine.block_manager import BlockManager
 from splitserve_workers.engine.config import EngineConfig
-from splitserve_workers.engine.grammar import GrammarError, Grammars
+from splitserve_workers.engine.grammar import GrammarError, Grammars, executor
 from splitserve_workers.engine.loader import load_model
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.model_runner import ModelRunner
@@ -685,8 +685,11 @@ def _grammar_masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], torch.T
         return None
     words = (vocab + 31) // 32
     bitmask = torch.empty(len(rows), words, dtype=torch.int32)
-    for r, i in enumerate(rows):
-        seqs[i].matcher.unsafe_compute_mask_ptr(bitmask[r].data_ptr(), words * 4)
+    if len(rows) == 1:
+        seqs[rows[0]].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+    else:  # in parallel on llguidance's threads (the GIL released)
+        matchers = [(seqs[i].matcher, r) for r, i in enumerate(rows)]
+        executor().unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
     keep = bitmask.ne(0).any(dim=-1).tolist()
     if not all(keep):
         rows = [i for i, ok in zip(rows, keep, strict=True) if ok]
