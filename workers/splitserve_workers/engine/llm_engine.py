@@ -37,11 +37,7 @@ from splitserve_workers.engine.grammar import GrammarError, Grammars, executor
 from splitserve_workers.engine.loader import load_model
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.model_runner import ModelRunner
-from splitserve_workers.engine.sampling import (
-    SamplingParams,
-    prompt_logprobs,
-    sample,
-)
+from splitserve_workers.engine.sampling import SamplingParams, prompt_logprobs, sample
 from splitserve_workers.engine.scheduler import Scheduler
 from splitserve_workers.engine.sequence import (
     OnKV,
