@@ -530,9 +530,8 @@ def _response_format(value: Any) -> str | None:
             param=f"{param}.name",
             code="missing_required_parameter",
         )
-    for key in ("description",):
-        if spec.get(key) is not None and not isinstance(spec[key], str):
-            raise _wrong_type(f"{param}.{key}", "a string", spec[key])
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise _wrong_type(f"{param}.description", "a string", spec["description"])
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise _wrong_type(f"{param}.strict", "a boolean", spec["strict"])  # always followed
     schema = spec.get("schema", {})  # OpenAI: optional (then any JSON)
