@@ -236,6 +236,67 @@ def test_streaming_chat_matches_engine(stack: dict[str, Any], engine: Any) -> No
     assert finish in ("length", "stop")
 
 
+def test_continue_final_message_goes_on_from_the_prefilled_answer(
+    stack: dict[str, Any], engine: Any
+) -> None:
+    # vLLM's chat-template controls: the prompt ends inside the assistant's turn, so the
+    # model continues "The answer is" (a prefilled answer), as one engine does from that text.
+    messages = [
+        {"role": "user", "content": PROMPTS[2]},
+        {"role": "assistant", "content": "The answer is"},
+    ]
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.endswith("The answer is")
+    ids = tok.encode(text, add_special_tokens=False)
+    answer = client(stack).chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0,
+        extra_body={
+            "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == reference(engine, ids, 12)
+    # add_generation_prompt false: no assistant header after the user's turn.
+    plain = [messages[0]]
+    bare = tok.apply_chat_template(plain, add_generation_prompt=False)
+    r = _post(
+        stack,
+        "/v1/chat/completions",
+        json.dumps({"messages": plain, "max_tokens": 1, "add_generation_prompt": False}),
+    )
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(bare, add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        (
+            {"continue_final_message": True, "messages": [{"role": "user", "content": "x"}]},
+            "continue_final_message",
+        ),  # noqa: E501
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"x": "y" * 20000}}, "chat_template_kwargs"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+    ],
+)
+def test_bad_template_controls_are_400s(
+    stack: dict[str, Any], extra: dict[str, Any], param: str
+) -> None:
+    body = {"messages": [{"role": "assistant", "content": "So"}], "max_tokens": 1, **extra}
+    r = _post(stack, "/v1/chat/completions", json.dumps(body))
+    assert r.status_code == 400, r.text
+    assert _error(r)["param"] == param
+
+
 def test_non_streaming_chat_and_completion(stack: dict[str, Any], engine: Any) -> None:
     c = client(stack)
     messages = [{"role": "user", "content": PROMPTS[2]}]

@@ -90,6 +90,24 @@ def test_chat_templates_render_as_transformers_renders_them(
         assert "system:" not in ours and "never rendered" not in ours
 
 
+@pytest.mark.parametrize("name", ["tojson", "generation"])
+def test_continue_final_message_cuts_as_transformers_does(
+    tmp_path: Path, tiny_llama: Path, name: str
+) -> None:
+    template = {"tojson": TOJSON, "generation": GENERATION}[name]
+    d = _with_template(tiny_llama, tmp_path / name, template, as_file=False)
+    messages = [*MESSAGES, {"role": "assistant", "content": "The weather in Paris is"}]
+    ours = Tokenizer(d).apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    theirs = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == theirs and ours.endswith("The weather in Paris is")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        Tokenizer(d).apply_chat_template(messages, continue_final_message=True)
+
+
 def test_chat_template_file_wins_over_tokenizer_config(tmp_path: Path, tiny_llama: Path) -> None:
     d = _with_template(tiny_llama, tmp_path / "both", "from the file", as_file=True)
     cfg = json.loads((d / "tokenizer_config.json").read_text())

@@ -235,10 +235,13 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render messages to prompt text. Encode the result with add_special_tokens=False:
-        templates write their own BOS."""
+        templates write their own BOS. continue_final_message: the text ends with the last
+        message's content, without what the template closes a turn with, so the model goes on
+        writing that message (transformers' rule: cut after the content's last occurrence)."""
         if self._template is None:
             raise NoChatTemplate(
                 "the model has no chat template (neither chat_template.jinja nor "
@@ -247,10 +250,26 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"messages[{i}]: expected an object with 'role' and 'content'")
-        return self._template.render(
+        text = self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
+        )
+        if not continue_final_message:
+            return text
+        if add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be used with add_generation_prompt")
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str):
+            raise ValueError("continue_final_message: the last message has no text content")
+        # As transformers: the content as written, or stripped when the template strips it.
+        for piece in (final, final.strip()):
+            at = text.rfind(piece)
+            if piece and at >= 0:
+                return text[: at + len(piece)]
+        raise ValueError(
+            "continue_final_message: the chat template does not render the last message's "
+            "content as given"
         )

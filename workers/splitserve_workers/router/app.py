@@ -385,7 +385,11 @@ class Router:
                 # Tools (forced calls only) go to the template, which shows them to the model.
                 extra = {"tools": req.tools} if req.tools else {}
                 text = self.tokenizer.apply_chat_template(
-                    req.messages, add_generation_prompt=True, **extra
+                    req.messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    **req.template_kwargs,
+                    **extra,
                 )
             except NoChatTemplate as e:  # the model's fault, not the messages'
                 raise api.APIError(400, str(e), code="no_chat_template") from e

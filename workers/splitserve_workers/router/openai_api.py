@@ -118,6 +118,11 @@ class GenerationRequest:
     # None (no tools) | "auto" (free text, parsed for calls) | "required" | a function's name
     tool_choice: str | None = None
     tool_parser: str | None = None  # with "auto": the format the model writes calls in
+    # Chat template controls (vLLM's extensions): open the assistant's turn (the default), or
+    # continue the last (assistant) message; extra variables for the template.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_param(self) -> str:
@@ -311,6 +316,7 @@ CHAT_PARAMS = (
     _COMMON
     | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
     | {"tools", "tool_choice", "parallel_tool_calls"}
+    | {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 ) - {
     "suffix",
     "best_of",
@@ -925,6 +931,56 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
     req.tools = tools
 
 
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10
+# Variables the router itself gives the template: chat_template_kwargs may not replace them.
+_TEMPLATE_OWN = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
+     "eos_token"}
+)  # fmt: skip
+
+
+def _template_controls(body: dict[str, Any], req: GenerationRequest) -> None:
+    """add_generation_prompt, continue_final_message and chat_template_kwargs (vLLM's): a
+    prefilled assistant answer to go on from (`continue_final_message`: the template's end of
+    turn is cut off), and template variables such as Qwen3's `enable_thinking`."""
+    add = _bool(body, "add_generation_prompt")
+    cont = bool(_bool(body, "continue_final_message"))
+    if cont and add:
+        raise invalid(
+            "continue_final_message",
+            "'continue_final_message' continues the last message; it cannot be combined with "
+            "'add_generation_prompt' true, which opens a new one",
+        )
+    if cont:
+        last = (req.messages or [{}])[-1]
+        if last.get("role") != "assistant" or not last.get("content"):
+            raise invalid(
+                "continue_final_message",
+                "'continue_final_message' needs the last message to be the assistant's, with "
+                "the text to continue",
+            )
+    req.continue_final_message = cont
+    req.add_generation_prompt = not cont if add is None else add
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise _wrong_type("chat_template_kwargs", "an object", kwargs)
+    for key in kwargs:
+        if key in _TEMPLATE_OWN:
+            raise invalid(
+                f"chat_template_kwargs.{key}",
+                f"'chat_template_kwargs.{key}' is set by the server (use the request's own "
+                "field where there is one)",
+            )
+    if len(json.dumps(kwargs).encode("utf-8")) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise invalid(
+            "chat_template_kwargs",
+            f"'chat_template_kwargs' is longer than {MAX_TEMPLATE_KWARGS_BYTES} bytes",
+        )
+    req.template_kwargs = dict(kwargs)
+
+
 def tool_answer(
     req: GenerationRequest, text: str, finish_reason: str | None, call_id: str
 ) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
@@ -964,6 +1020,7 @@ def parse_chat(
         raise invalid("messages", "'messages' must not be empty")
     req.messages = [_message_text(i, m) for i, m in enumerate(messages)]
     _tool_choice(body, req, tool_parser)
+    _template_controls(body, req)
     req.n = _n(body, 1)
     # Both are validated; the newer max_completion_tokens wins when both are given.
     max_completion_tokens = _int(body, "max_completion_tokens", 1)
