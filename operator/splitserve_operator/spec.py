@@ -18,6 +18,7 @@ from .autoscaler import RatioBounds, Targets, unreachable_ratio
 # spec.router.toolCallParser (the router's tool_parsers.PARSERS plus auto and none; a test
 # checks they agree: the operator does not import the router).
 TOOL_CALL_PARSERS = ("auto", "none", "hermes", "llama3_json")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")  # and reasoning.PARSERS
 AUTOSCALING_MODES = ("Builtin", "HPA", "KEDA", "Off")
 POOLS = ("router", "prefill", "decode")
 # The pod template's own mounts (podtemplate.py; tests keep the two and the CRD's rule equal):
@@ -228,6 +229,12 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
                 f"{path}.toolCallParser: {parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
             )
         settings["toolCallParser"] = parser
+        thinking = data.get("reasoningParser", "auto")
+        if thinking not in REASONING_PARSERS:
+            raise SpecError(
+                f"{path}.reasoningParser: {thinking!r} is not one of {', '.join(REASONING_PARSERS)}"
+            )
+        settings["reasoningParser"] = thinking
         secret = data.get("apiKeySecret")
         if secret is not None:
             if not isinstance(secret, dict) or not secret.get("name"):

@@ -51,6 +51,7 @@ def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str
             decode_service=f"{decode_host}:{DECODE_PORT}",
             log_requests=spec.router.settings["logRequests"],
             tool_call_parser=spec.router.settings["toolCallParser"],
+            reasoning_parser=spec.router.settings["reasoningParser"],
         ),
         slo=SLOSettings(
             ttft_seconds=spec.ttft_seconds,

@@ -634,15 +634,15 @@ def test_log_requests_is_a_boolean(
 
 
 @pytest.mark.cluster
-def test_tool_call_parser_is_one_the_router_knows(
+def test_tool_call_and_reasoning_parsers_are_ones_the_router_knows(
     control_plane: Any, cluster_release: Any, namespace: str
 ) -> None:
-    ok = llmservice({"router": {"toolCallParser": "llama3_json"}})
+    ok = llmservice({"router": {"toolCallParser": "llama3_json", "reasoningParser": "qwen3"}})
     assert dry_run(control_plane, namespace, ok).returncode == 0
-    proc = dry_run(control_plane, namespace, llmservice({"router": {"toolCallParser": "xml"}}))
-    assert (
-        proc.returncode != 0 and "spec.router.toolCallParser: Unsupported value" in proc.stderr
-    ), proc.stderr
+    for field in ("toolCallParser", "reasoningParser"):
+        proc = dry_run(control_plane, namespace, llmservice({"router": {field: "xml"}}))
+        assert proc.returncode != 0, field
+        assert f"spec.router.{field}: Unsupported value" in proc.stderr, proc.stderr
 
 
 @pytest.mark.cluster

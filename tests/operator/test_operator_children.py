@@ -160,9 +160,10 @@ def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
     with pytest.raises(SpecError, match=r"^spec\.router\.logRequests: "):
         parse_spec(spec)
     assert config.router.tool_call_parser == "auto"
-    spec["router"] = {"toolCallParser": "hermes"}
+    spec["router"] = {"toolCallParser": "hermes", "reasoningParser": "qwen3"}
     text = build(spec)[("ConfigMap", "chat-config")]["data"]["config.yaml"]
-    assert ServingConfig.from_yaml(text).router.tool_call_parser == "hermes"
+    router = ServingConfig.from_yaml(text).router
+    assert (router.tool_call_parser, router.reasoning_parser) == ("hermes", "qwen3")
     spec["router"] = {"toolCallParser": "xml"}
     with pytest.raises(SpecError, match=r"^spec\.router\.toolCallParser: "):
         parse_spec(spec)

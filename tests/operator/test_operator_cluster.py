@@ -817,6 +817,7 @@ def test_crd_defaults_and_printer_columns(
         "serviceType": "ClusterIP",
         "logRequests": False,
         "toolCallParser": "auto",
+        "reasoningParser": "auto",
         "topologySpread": {
             "enabled": True,
             "maxSkew": 1,

@@ -36,6 +36,7 @@ def test_defaults_match_the_crd_schema() -> None:
         "serviceType": "ClusterIP",
         "logRequests": False,
         "toolCallParser": "auto",
+        "reasoningParser": "auto",
     }
     assert spec.prefill.settings == {"maxBatchTokens": 8192}
     assert spec.decode.settings == {"maxBatchSize": 128, "blockSize": 16}
@@ -236,12 +237,12 @@ def test_router_gets_default_requests_unless_resources_are_set() -> None:
     assert parse_spec(base).pool("router").resources["requests"]["cpu"] == "250m"
 
 
-def test_tool_call_parsers_are_the_routers() -> None:
+def test_tool_call_and_reasoning_parsers_are_the_routers() -> None:
     # The operator does not import the router; its list of spec.router.toolCallParser values
     # (and the CRD's enum) must still be what the router takes.
     import yaml
-    from splitserve_operator.spec import TOOL_CALL_PARSERS
-    from splitserve_workers.router import tool_parsers
+    from splitserve_operator.spec import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from splitserve_workers.router import reasoning, tool_parsers
 
     assert TOOL_CALL_PARSERS == ("auto", "none", *tool_parsers.PARSERS)
     crd = yaml.safe_load(
@@ -253,3 +254,5 @@ def test_tool_call_parsers_are_the_routers() -> None:
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     router = schema["properties"]["spec"]["properties"]["router"]["properties"]
     assert tuple(router["toolCallParser"]["enum"]) == TOOL_CALL_PARSERS
+    assert REASONING_PARSERS == ("auto", "none", *reasoning.PARSERS)
+    assert tuple(router["reasoningParser"]["enum"]) == REASONING_PARSERS

@@ -60,6 +60,9 @@ class RouterSettings:
     log_requests: bool = False  # a JSON log line per generation request
     # tool_choice auto: auto (the chat template's format) | none | hermes | llama3_json
     tool_call_parser: str = "auto"
+    # reasoning_content for thinking models: auto (the chat template's) | none | qwen3 |
+    # deepseek_r1
+    reasoning_parser: str = "auto"
     # Reserve sends the prompt, so a decode worker skips the KV its prefix cache holds.
     decode_kv_reuse: bool = True
 

@@ -36,7 +36,7 @@ from splitserve_workers.engine.tokenizer import NoChatTemplate
 from splitserve_workers.metrics import RouterMetrics, router_metrics
 from splitserve_workers.proto import serving_pb2
 from splitserve_workers.router import openai_api as api
-from splitserve_workers.router import tool_parsers
+from splitserve_workers.router import reasoning, tool_parsers
 from splitserve_workers.router.auth import ENV_VAR, ApiKeys
 from splitserve_workers.router.detok import IncrementalDetokenizer
 from splitserve_workers.router.discovery import (
@@ -95,19 +95,22 @@ class RouterOptions:
     # How the model writes tool calls, for tool_choice auto (tool_parsers.py): "auto" = what
     # its chat template shows, "none" = refuse auto.
     tool_call_parser: str = "auto"
+    # How a thinking model marks its reasoning (reasoning.py): "auto" = what its chat template
+    # shows, "none" = leave it in the content.
+    reasoning_parser: str = "auto"
 
 
-def _tool_parser(setting: str, tokenizer: Any) -> str | None:
-    """The tool-call format for tool_choice auto: as set, or ("auto") the one the chat template
-    renders calls in; None: auto is refused."""
+def _format(setting: str, tokenizer: Any, kind: Any, field: str) -> str | None:
+    """A model-family format (`kind`: tool_parsers or reasoning): as set, or ("auto") the one
+    the chat template shows; None: none (tool_choice auto is refused; reasoning stays in the
+    content)."""
     if setting == "auto":
-        return tool_parsers.detect(getattr(tokenizer, "chat_template", None))
+        return kind.detect(getattr(tokenizer, "chat_template", None))  # type: ignore[no-any-return]
     if setting == "none":
         return None
-    if setting not in tool_parsers.PARSERS:
+    if setting not in kind.PARSERS:
         raise ConfigError(
-            f"router.tool_call_parser: {setting!r} is not one of auto, none, "
-            + ", ".join(tool_parsers.PARSERS)
+            f"router.{field}: {setting!r} is not one of auto, none, " + ", ".join(kind.PARSERS)
         )
     return setting
 
@@ -195,7 +198,12 @@ class Router:
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
         # Model vocabularies are often padded past the tokenizer's: the model's size decides.
         self.vocab_size = options.vocab_size or getattr(tokenizer, "vocab_size", None)
-        self.tool_parser = _tool_parser(options.tool_call_parser, tokenizer)
+        self.tool_parser = _format(
+            options.tool_call_parser, tokenizer, tool_parsers, "tool_call_parser"
+        )
+        self.reasoning_parser = _format(
+            options.reasoning_parser, tokenizer, reasoning, "reasoning_parser"
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -825,6 +833,11 @@ class _Answer:
         self.call_ids: dict[int, str] = {}
         self.held: dict[int, list[str]] = collections.defaultdict(list)
         self.splitters: dict[int, tool_parsers.StreamSplitter] = {}  # tool_choice auto
+        # A thinking model's reasoning, split from the content: before an answer the model
+        # writes freely (a grammar holds the output from its first token: no reasoning then).
+        parser = getattr(router, "reasoning_parser", None)
+        self.reasoning = parser if parser and req.kind == "chat" and req.grammar is None else None
+        self.thinkers: dict[int, reasoning.Splitter] = {}
 
     def call_id(self, run: _Run) -> str:
         if run.index not in self.call_ids:
@@ -969,13 +982,21 @@ class _Answer:
             logprobs = run.logprobs_object(entries[run.index])
             if self.req.kind != "chat":
                 choices.append(api.completion_choice(run.index, text, run.finish_reason, logprobs))
-            elif self.req.tool_choice is None:
-                choices.append(api.chat_choice(run.index, text, run.finish_reason, logprobs))
+                continue
+            thought = None
+            if self.reasoning is not None:
+                thought, text = reasoning.split(text, self.reasoning)
+            if self.req.tool_choice is None:
+                choices.append(
+                    api.chat_choice(run.index, text, run.finish_reason, logprobs, None, thought)
+                )
             else:
                 content, calls, reason = api.tool_answer(
                     self.req, text, run.finish_reason, self.call_id(run)
                 )
-                choices.append(api.chat_choice(run.index, content, reason, logprobs, calls))
+                choices.append(
+                    api.chat_choice(run.index, content, reason, logprobs, calls, thought)
+                )
         return web.json_response(
             api.response(
                 self.req.kind, self.rid, self.model, self.created, choices, self.usage(), False
@@ -1036,15 +1057,28 @@ class _Answer:
     def _chunk(
         self, run: _Run, text: str, reason: str | None, logprobs: Any
     ) -> dict[str, Any] | None:
-        if self.req.kind == "chat" and self.req.tool_choice is not None:
-            tool_delta, reason = self._tool_delta(run, text, reason)
-            if tool_delta is None:
-                return None
-            choice = api.chat_delta_choice(run.index, tool_delta, reason, logprobs)
-        elif self.req.kind == "chat":
-            delta: dict[str, Any] = {"content": text} if text or not reason else {}
-            if run.first:
-                delta = {"role": "assistant", "content": text}
+        if self.req.kind == "chat":
+            thought = ""
+            if self.reasoning is not None:
+                thinker = self.thinkers.setdefault(run.index, reasoning.Splitter(self.reasoning))
+                thought, text = thinker.feed(text)
+                if reason is not None:
+                    more_thought, more_text = thinker.finish()
+                    thought, text = thought + more_thought, text + more_text
+            delta: dict[str, Any] | None
+            if self.req.tool_choice is not None:
+                delta, reason = self._tool_delta(run, text, reason)
+                if delta is None and not thought:
+                    return None
+                delta = delta or {}
+            else:
+                delta = {"content": text} if text or not reason else {}
+                if run.first:
+                    delta = {"role": "assistant", "content": text}
+            if thought:
+                if not run.first and not delta.get("content"):
+                    delta.pop("content", None)  # a reasoning delta, no content in it
+                delta["reasoning_content"] = thought
             choice = api.chat_delta_choice(run.index, delta, reason, logprobs)
         else:
             choice = api.completion_choice(run.index, text, reason, logprobs)
@@ -1219,6 +1253,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "format its chat template shows (hermes: <tool_call> JSON, as Qwen's; llama3_json: "
         "Llama 3.1's JSON calls); none = refuse tool_choice auto",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=("auto", "none", *reasoning.PARSERS),
+        default=None,
+        help="how a thinking model marks its reasoning, returned as reasoning_content: auto "
+        "(default) = what its chat template shows (qwen3: <think>...</think> written by the "
+        "model; deepseek_r1: the template opens <think>); none = leave it in the content",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -1316,6 +1358,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         debug_endpoints=args.debug_endpoints,
         log_requests=bool(args.log_requests or rs.log_requests),
         tool_call_parser=args.tool_call_parser or rs.tool_call_parser,
+        reasoning_parser=args.reasoning_parser or rs.reasoning_parser,
         api_keys=ApiKeys.from_environment(args.api_key_file),
     )
     port = args.port if args.port is not None else rs.port

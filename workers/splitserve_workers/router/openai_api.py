@@ -1063,8 +1063,11 @@ def chat_choice(
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
     calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning  # vLLM's field for a thinking model's part
     if calls is not None:
         message["tool_calls"] = calls
     return {

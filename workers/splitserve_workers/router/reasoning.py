@@ -1,0 +1,89 @@
+"""A thinking model's reasoning, split from its answer: `reasoning_content` (vLLM's field).
+
+Qwen3 and DeepSeek-R1 (and their distills) think before they answer, between `<think>` and
+`</think>`; clients show that part apart from the answer, or not at all. Two formats:
+
+- `qwen3`: the model writes `<think>` itself; an answer that does not start with it has no
+  reasoning (Qwen3 with `enable_thinking: false`, whose template writes an empty block into
+  the prompt).
+- `deepseek_r1`: the chat template opens `<think>` in the prompt, so the answer starts inside
+  the reasoning and only `</think>` ends it.
+
+`detect` tells them apart from the chat template. The whole answer and a streamed one are split
+by the same `Splitter`, so the two always agree.
+"""
+
+from __future__ import annotations
+
+PARSERS = ("qwen3", "deepseek_r1")
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def detect(chat_template: str | None) -> str | None:
+    """The reasoning format the chat template implies; None: no reasoning to split."""
+    if not chat_template or CLOSE not in chat_template:
+        return None
+    if "<｜Assistant｜><think>" in chat_template:  # noqa: RUF001 - DeepSeek's own token
+        return "deepseek_r1"
+    return "qwen3"
+
+
+def _held_tail(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag`."""
+    return next(
+        (n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0
+    )
+
+
+class Splitter:
+    """Feeds an answer's text as it comes and hands back (reasoning, content) pieces. A tail
+    that could be the start of a tag is held until the next text tells."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.state = "start"  # until the answer's first characters tell: "reasoning" | "content"
+        self.pending = ""
+        self.after_close = False  # drop the newlines that follow </think>
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text = self.pending + text
+        self.pending = ""
+        reasoning = ""
+        if self.state == "start":
+            stripped = text.lstrip()
+            if len(stripped) < len(OPEN) and OPEN.startswith(stripped):
+                self.pending = text  # "", whitespace or part of "<think>": not known yet
+                return "", ""
+            if stripped.startswith(OPEN):
+                self.state, text = "reasoning", stripped[len(OPEN) :]
+            else:  # deepseek_r1: the prompt opened it; qwen3: no reasoning at all
+                self.state = "reasoning" if self.parser == "deepseek_r1" else "content"
+        if self.state == "reasoning":
+            at = text.find(CLOSE)
+            if at < 0:
+                keep = _held_tail(text, CLOSE)
+                self.pending = text[len(text) - keep :] if keep else ""
+                return text[: len(text) - keep], ""
+            reasoning, text = text[:at], text[at + len(CLOSE) :]
+            self.state, self.after_close = "content", True
+        if self.after_close:
+            text = text.lstrip("\n")
+            if not text:
+                return reasoning, ""
+            self.after_close = False
+        return reasoning, text
+
+    def finish(self) -> tuple[str, str]:
+        """At the end: what was held back, as (reasoning, content)."""
+        pending, self.pending = self.pending, ""
+        if self.state == "reasoning" or (self.state == "start" and self.parser == "deepseek_r1"):
+            return pending, ""
+        return "", pending
+
+
+def split(text: str, parser: str) -> tuple[str | None, str]:
+    """A whole answer as (its reasoning or None, its content)."""
+    splitter = Splitter(parser)
+    reasoning, content = splitter.feed(text)
+    more_reasoning, more_content = splitter.finish()
+    return (reasoning + more_reasoning or None), content + more_content
