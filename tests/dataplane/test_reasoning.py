@@ -31,12 +31,13 @@ TEXTS = [
 ]
 
 
+@pytest.mark.parametrize("begin", [None, "reasoning", "content"])
 @pytest.mark.parametrize("parser", reasoning.PARSERS)
 @pytest.mark.parametrize("text", TEXTS)
-def test_streamed_and_whole_answers_split_alike(parser: str, text: str) -> None:
-    whole = reasoning.split(text, parser)
+def test_streamed_and_whole_answers_split_alike(parser: str, text: str, begin: str | None) -> None:
+    whole = reasoning.split(text, parser, begin)
     for size in (1, 2, 5, 1000):
-        splitter = reasoning.Splitter(parser)
+        splitter = reasoning.Splitter(parser, begin)
         thought = content = ""
         for i in range(0, len(text), size):
             t, c = splitter.feed(text[i : i + size])
@@ -52,6 +53,22 @@ def test_what_each_format_makes_of_an_answer() -> None:
     assert reasoning.split(TEXTS[2], "deepseek_r1") == ("Hmm, 2+2.", "Four.")
     assert reasoning.split(TEXTS[3], "deepseek_r1") == ("\nstill thinking when max_tokens hit", "")
     assert reasoning.split("Four.", "deepseek_r1") == ("Four.", "")
+
+
+def test_the_prompt_says_where_the_answer_starts() -> None:
+    # QwQ's and Qwen3-Thinking's templates open <think> themselves: only </think> comes.
+    qwq = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    assert reasoning.start(qwq) == "reasoning"
+    assert reasoning.split(TEXTS[2], "qwen3", reasoning.start(qwq)) == ("Hmm, 2+2.", "Four.")
+    # Qwen3 with enable_thinking false: the block is closed in the prompt, all is content.
+    closed = qwq + "\n</think>\n\n"
+    assert reasoning.start(closed) == "content"
+    assert reasoning.split("Four.", "deepseek_r1", "content") == (None, "Four.")
+    assert reasoning.start(qwq[: -len("<think>\n")]) is None  # the answer tells
+    # continue_final_message: the prefilled text tells where the model goes on.
+    assert reasoning.start("...<think>\nLet me", "<think>\nLet me") == "reasoning"
+    assert reasoning.start("...</think>\n\nIt is", "<think>x</think>\n\nIt is") == "content"
+    assert reasoning.start("<｜Assistant｜>It is", "It is") == "content"  # noqa: RUF001
 
 
 def test_detect_follows_the_chat_template() -> None:
@@ -144,10 +161,31 @@ def test_reasoning_content_through_real_processes(routers: dict[str, str]) -> No
     # deepseek_r1: no </think> came, so the whole answer is (unfinished) reasoning.
     r1 = openai.OpenAI(base_url=routers["deepseek_r1"] + "/v1", api_key="x", max_retries=0)
     whole = r1.chat.completions.create(**kw).choices[0].message
-    assert (whole.content, whole.model_extra["reasoning_content"]) == ("", text)  # type: ignore[index]
-    streamed = "".join(
-        (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+    extra = whole.model_extra or {}
+    # Nothing after the reasoning: content is null; the reasoning in both fields clients read.
+    assert (whole.content, extra["reasoning_content"], extra["reasoning"]) == (None, text, text)
+    deltas = [
+        chunk.choices[0].delta.model_extra or {}
         for chunk in r1.chat.completions.create(stream=True, **kw)
         if chunk.choices
-    )
-    assert streamed == text
+    ]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == text
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+
+
+def test_reasoning_sent_back_reaches_the_template() -> None:
+    # An assistant turn's reasoning, in either field the answer gave it in, goes to the
+    # template as reasoning_content (Qwen3's shows it for the turns after the last user one).
+    for field in ("reasoning_content", "reasoning"):
+        body = {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "y", field: "because"},
+            ]
+        }
+        req = api.parse_chat(body)
+        assert req.messages is not None and req.messages[1]["reasoning_content"] == "because"
+    bad = {"messages": [{"role": "assistant", "content": "y", "reasoning_content": 5}]}
+    with pytest.raises(api.APIError) as e:
+        api.parse_chat(bad)
+    assert e.value.param == "messages[0].reasoning_content"

@@ -90,20 +90,23 @@ def test_chat_templates_render_as_transformers_renders_them(
         assert "system:" not in ours and "never rendered" not in ours
 
 
+# A prefill that also occurs in what the template closes the turn with ("<" in "<|im_end|>"):
+# the cut is where the content ends, not at that later copy.
+@pytest.mark.parametrize("prefill", ["The weather in Paris is", "<", "\n", "e", "Paris "])
 @pytest.mark.parametrize("name", ["tojson", "generation"])
 def test_continue_final_message_cuts_as_transformers_does(
-    tmp_path: Path, tiny_llama: Path, name: str
+    tmp_path: Path, tiny_llama: Path, name: str, prefill: str
 ) -> None:
     template = {"tojson": TOJSON, "generation": GENERATION}[name]
     d = _with_template(tiny_llama, tmp_path / name, template, as_file=False)
-    messages = [*MESSAGES, {"role": "assistant", "content": "The weather in Paris is"}]
+    messages = [*MESSAGES, {"role": "assistant", "content": prefill}]
     ours = Tokenizer(d).apply_chat_template(
         messages, add_generation_prompt=False, continue_final_message=True
     )
     theirs = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(
         messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
     )
-    assert ours == theirs and ours.endswith("The weather in Paris is")
+    assert ours == theirs and ours.endswith(prefill)
     with pytest.raises(ValueError, match="add_generation_prompt"):
         Tokenizer(d).apply_chat_template(messages, continue_final_message=True)
 

@@ -91,6 +91,10 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # not for the first generated token.
 PROMPT_CONTEXT_TOKENS = 5
 
+# continue_final_message: marks where the continued content ends in the rendered text
+# (transformers' own marker, so both cut alike).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
 
 def prompt_context(
     decode: Callable[[list[int]], str], prompt_ids: Sequence[int]
@@ -250,6 +254,18 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"messages[{i}]: expected an object with 'role' and 'content'")
+        final: Any = ""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message: cannot be used with add_generation_prompt"
+                )
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str):
+                raise ValueError("continue_final_message: the last message has no text content")
+            # As transformers: a marker after the content shows where the template put it (a
+            # search for the content itself can find a later copy: "<" in "<|im_end|>").
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         text = self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -259,17 +275,11 @@ class Tokenizer:
         )
         if not continue_final_message:
             return text
-        if add_generation_prompt:
-            raise ValueError("continue_final_message: cannot be used with add_generation_prompt")
-        final = messages[-1].get("content") if messages else None
-        if not isinstance(final, str):
-            raise ValueError("continue_final_message: the last message has no text content")
-        # As transformers: the content as written, or stripped when the template strips it.
-        for piece in (final, final.strip()):
-            at = text.rfind(piece)
-            if piece and at >= 0:
-                return text[: at + len(piece)]
-        raise ValueError(
-            "continue_final_message: the chat template does not render the last message's "
-            "content as given"
-        )
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0 or final.strip() not in text:
+            raise ValueError(
+                "continue_final_message: the chat template does not render the last message's "
+                "content as given"
+            )
+        # The template trimmed the content (the marker's space is gone): so is its end here.
+        return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

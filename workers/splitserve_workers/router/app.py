@@ -838,6 +838,12 @@ class _Answer:
         parser = getattr(router, "reasoning_parser", None)
         self.reasoning = parser if parser and req.kind == "chat" and req.grammar is None else None
         self.thinkers: dict[int, reasoning.Splitter] = {}
+        # Where the answer starts, as the prompt (the same for every choice of a chat) ends.
+        self.reasoning_start: str | None = None
+        if self.reasoning is not None and runs:
+            final = (req.messages or [{}])[-1].get("content")
+            prefill = final if req.continue_final_message and isinstance(final, str) else None
+            self.reasoning_start = reasoning.start(runs[0].prompt_text, prefill)
 
     def call_id(self, run: _Run) -> str:
         if run.index not in self.call_ids:
@@ -985,7 +991,7 @@ class _Answer:
                 continue
             thought = None
             if self.reasoning is not None:
-                thought, text = reasoning.split(text, self.reasoning)
+                thought, text = reasoning.split(text, self.reasoning, self.reasoning_start)
             if self.req.tool_choice is None:
                 choices.append(
                     api.chat_choice(run.index, text, run.finish_reason, logprobs, None, thought)
@@ -1060,7 +1066,10 @@ class _Answer:
         if self.req.kind == "chat":
             thought = ""
             if self.reasoning is not None:
-                thinker = self.thinkers.setdefault(run.index, reasoning.Splitter(self.reasoning))
+                thinker = self.thinkers.get(run.index)
+                if thinker is None:
+                    thinker = reasoning.Splitter(self.reasoning, self.reasoning_start)
+                    self.thinkers[run.index] = thinker
                 thought, text = thinker.feed(text)
                 if reason is not None:
                     more_thought, more_text = thinker.finish()
@@ -1078,7 +1087,7 @@ class _Answer:
             if thought:
                 if not run.first and not delta.get("content"):
                     delta.pop("content", None)  # a reasoning delta, no content in it
-                delta["reasoning_content"] = thought
+                delta["reasoning"] = delta["reasoning_content"] = thought  # as chat_choice
             choice = api.chat_delta_choice(run.index, delta, reason, logprobs)
         else:
             choice = api.completion_choice(run.index, text, reason, logprobs)

@@ -719,6 +719,14 @@ def _message_text(i: int, message: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": content}
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
+    if role == "assistant":
+        # Reasoning sent back (the field the answer gave it in): templates such as Qwen3's show
+        # it for the turns after the last user message.
+        thought = message.get("reasoning_content", message.get("reasoning"))
+        if thought is not None:
+            if not isinstance(thought, str):
+                raise _wrong_type(f"{param}.reasoning_content", "a string", thought)
+            out["reasoning_content"] = thought
     if role == "assistant" and message.get("tool_calls") is not None:
         out["tool_calls"] = _message_tool_calls(f"{param}.tool_calls", message["tool_calls"])
     if role == "tool" and message.get("tool_call_id") is not None:
@@ -1067,7 +1075,12 @@ def chat_choice(
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning is not None:
-        message["reasoning_content"] = reasoning  # vLLM's field for a thinking model's part
+        # A thinking model's part, in both fields clients read: `reasoning` (vLLM's now) and
+        # `reasoning_content` (vLLM's before, still what LiteLLM and others read). Nothing
+        # after the reasoning: no content (null, as vLLM answers).
+        message["reasoning"] = message["reasoning_content"] = reasoning
+        if not text:
+            message["content"] = None
     if calls is not None:
         message["tool_calls"] = calls
     return {
