@@ -276,17 +276,21 @@ def check_call(name: str, arguments: str) -> None:
         assert value["color"] in ("red", "green", "blue")
 
 
-def test_a_named_tool_choice_forces_a_valid_call(stack: dict[str, Any]) -> None:
-    answer = client(stack["base"]).chat.completions.create(
+def sample_tools(stack: dict[str, Any], tool_choice: Any, **kw: Any) -> Any:
+    """A sampled (temperature 1) chat answer with TOOLS and this tool_choice."""
+    return client(stack["base"]).chat.completions.create(
         model="tiny",
         messages=MESSAGES,  # type: ignore[arg-type]
         tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice=NAMED,  # type: ignore[arg-type]
+        tool_choice=tool_choice,
         temperature=1.0,
-        seed=4,
-        n=3,
         max_tokens=200,
+        **kw,
     )
+
+
+def test_a_named_tool_choice_forces_a_valid_call(stack: dict[str, Any]) -> None:
+    answer = sample_tools(stack, NAMED, seed=4, n=3)
     ids = set()
     for choice in answer.choices:
         assert choice.finish_reason == "stop"  # as OpenAI reports a forced call
@@ -299,32 +303,13 @@ def test_a_named_tool_choice_forces_a_valid_call(stack: dict[str, Any]) -> None:
 
 
 def test_stop_strings_do_not_cut_a_forced_call(stack: dict[str, Any]) -> None:
-    answer = client(stack["base"]).chat.completions.create(
-        model="tiny",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice=NAMED,  # type: ignore[arg-type]
-        stop=[",", '"'],  # in every answer of PERSON's
-        seed=4,
-        temperature=1.0,
-        max_tokens=200,
-    )
+    answer = sample_tools(stack, NAMED, stop=[",", '"'], seed=4)  # in every answer of PERSON's
     (call,) = answer.choices[0].message.tool_calls or []
     check_call(call.function.name, call.function.arguments)
 
 
 def test_required_tool_choice_gives_calls_of_the_given_tools(stack: dict[str, Any]) -> None:
-    answer = client(stack["base"]).chat.completions.create(
-        model="tiny",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=1.0,
-        seed=9,
-        n=6,
-        max_tokens=200,
-    )
+    answer = sample_tools(stack, "required", parallel_tool_calls=False, seed=9, n=6)
     names = set()
     for choice in answer.choices:
         assert choice.finish_reason == "tool_calls"

@@ -50,11 +50,9 @@ class GrammarError(ValueError):
 
 
 def _checked(grammar: str) -> str:
-    if len(grammar.encode("utf-8")) > MAX_GRAMMAR_BYTES:
-        raise GrammarError(
-            f"the compiled grammar is {len(grammar.encode('utf-8'))} bytes, at most "
-            f"{MAX_GRAMMAR_BYTES}"
-        )
+    size = len(grammar.encode("utf-8"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the compiled grammar is {size} bytes, at most {MAX_GRAMMAR_BYTES}")
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise GrammarError(error.strip())
@@ -138,8 +136,7 @@ class Grammars:
                 return compiled.deep_copy()
             self._compiled.pop(grammar, None)
             tokenizer = self._llg_tokenizer()
-        if len(grammar.encode("utf-8")) > MAX_GRAMMAR_BYTES:
-            raise GrammarError(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
+        # (Its size is checked with the request's other parameters, SamplingParams.validate.)
         compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if compiled.is_error():
             raise GrammarError(compiled.get_error().strip())

@@ -661,6 +661,11 @@ def log_request(
     request_log.info("%s", json.dumps(record, separators=(",", ":")))
 
 
+def _indexed(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls as a stream delta carries them: each with its `index`."""
+    return [{"index": i, **call} for i, call in enumerate(calls)]
+
+
 def _named(tool_choice: str | None) -> bool:
     """A tool_choice that names a function (not auto, required, or none given)."""
     return tool_choice not in (None, "auto", "required")
@@ -1030,15 +1035,14 @@ class _Answer:
                 return delta | {"content": content}, None
             pending, held = splitter.finish()
             content += pending
-            names = {t["function"]["name"] for t in self.req.tools or []}
-            found = tool_parsers.parse(held, names, parser) if held else None
-            if found is None:
+            calls = None
+            if held:  # from the call's start on: the whole answer's rule decides
+                _, calls, call_reason = api.tool_answer(self.req, held, reason, self.call_id(run))
+            if calls is None:
                 return delta | {"content": content + held}, reason
-            calls = tool_parsers.calls_with_ids(found[1], self.call_id(run))
             if content:
                 delta["content"] = content
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-            return delta, "tool_calls"
+            return delta | {"tool_calls": _indexed(calls)}, call_reason
         if choice != "required":
             call: dict[str, Any] = {"index": 0}
             if run.first:
@@ -1057,7 +1061,7 @@ class _Answer:
         if required is None:
             delta["content"] = unparsed
         else:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(required)]
+            delta["tool_calls"] = _indexed(required)
         return delta, reason
 
     def _chunk(

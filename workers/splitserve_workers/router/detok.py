@@ -11,6 +11,19 @@ from typing import Protocol
 from splitserve_workers.engine.tokenizer import prompt_context
 
 
+def held_tail(text: str, tags: Iterable[str], start: int = 0) -> int:
+    """Length of the longest tail of text[start:] that could still grow into one of `tags`:
+    what a stream holds back until the next piece tells (stop strings here, the tags of tool
+    calls and reasoning in tool_parsers.py and reasoning.py)."""
+    longest = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text) - start), longest, -1):
+            if text.endswith(tag[:n]):
+                longest = n
+                break
+    return longest
+
+
 class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
@@ -93,13 +106,7 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that could still grow into a stop string."""
-        longest = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(self._text) - self._emitted), longest, -1):
-                if self._text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+        return held_tail(self._text, self._stop, self._emitted)
 
     @property
     def text(self) -> str:

@@ -18,6 +18,8 @@ a streamed one are split by the same `Splitter`, so the two always agree.
 
 from __future__ import annotations
 
+from splitserve_workers.router.detok import held_tail
+
 PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -53,13 +55,6 @@ def start(prompt: str, prefill: str | None = None) -> str | None:
     return None
 
 
-def _held_tail(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag`."""
-    return next(
-        (n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0
-    )
-
-
 class Splitter:
     """Feeds an answer's text as it comes and hands back (reasoning, content) pieces. A tail
     that could be the start of a tag is held until the next text tells."""
@@ -90,7 +85,7 @@ class Splitter:
         if self.state == "reasoning":
             at = text.find(CLOSE)
             if at < 0:
-                keep = _held_tail(text, CLOSE)
+                keep = held_tail(text, (CLOSE,))
                 self.pending = text[len(text) - keep :] if keep else ""
                 return text[: len(text) - keep], ""
             reasoning, text = text[:at], text[at + len(CLOSE) :]

@@ -21,6 +21,8 @@ import json
 import re
 from typing import Any
 
+from splitserve_workers.router.detok import held_tail
+
 PARSERS = ("hermes", "llama3_json")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -154,10 +156,7 @@ class StreamSplitter:
         if at >= 0:
             self.pending, self.held = "", [text[at:]]
             return text[:at]
-        keep = next(
-            (n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])),
-            0,
-        )
+        keep = held_tail(text, (OPEN,))
         self.pending = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
