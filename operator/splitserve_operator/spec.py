@@ -248,6 +248,7 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
     else:
         settings["maxBatchSize"] = _int(data, "maxBatchSize", 128, path, minimum=1)
         settings["blockSize"] = _int(data, "blockSize", 16, path, minimum=1)
+        settings["speculativeTokens"] = _int(data, "speculativeTokens", 0, path)
     if name != "router" and "kvCacheMemory" in data:
         kv_bytes = parse_quantity(data["kvCacheMemory"], f"{path}.kvCacheMemory")
         if kv_bytes < 1:

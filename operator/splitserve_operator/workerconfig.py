@@ -29,6 +29,7 @@ def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str
         port=DECODE_PORT,
         max_batch_size=spec.decode.settings["maxBatchSize"],
         block_size=spec.decode.settings["blockSize"],
+        speculative_tokens=spec.decode.settings["speculativeTokens"],
     )
     if "kvCacheMemoryBytes" in spec.decode.settings:
         decode.kv_cache_memory_bytes = spec.decode.settings["kvCacheMemoryBytes"]

@@ -333,6 +333,54 @@ async def test_cancelled_generate_and_complete_free_blocks(
     await wait_for_free_blocks(dataplane, colo.endpoint, "colocated", colo_initial.free_blocks)
 
 
+async def test_speculative_decode_and_colocated_workers_equal_single_engine(
+    pair, launch_worker, tiny_model, worker_flags, dataplane, reference_engine
+):
+    """--speculative-tokens: a decode worker fed by a plain prefill worker and a colocated
+    worker emit what plain decoding emits, several tokens per pass, and count their drafts."""
+    prefill, _ = pair
+    flags = ("--speculative-tokens", "4")
+    decode = launch_worker("decode", worker_flags(tiny_model, *flags))
+    colo = launch_worker("colocated", worker_flags(tiny_model, *flags))
+    rng = random.Random(3)
+    vocab = reference_engine.model_config.vocab_size
+    phrases = [[rng.randrange(vocab) for _ in range(5 + i)] for i in range(6)]
+    prompts = [(ph * 12)[: 20 + 7 * i] for i, ph in enumerate(phrases)]
+    expected = reference(reference_engine, prompts, 40)
+    initial = await dataplane.load(decode.endpoint)
+    split = await asyncio.gather(
+        *(
+            dataplane.generate_disaggregated(prefill.endpoint, decode.endpoint, f"spec-{i}", p, 40)
+            for i, p in enumerate(prompts)
+        )
+    )
+    assert [r[0] for r in split] == expected
+    await wait_for_free_blocks(dataplane, decode.endpoint, "decode", initial.free_blocks)
+
+    stub = dataplane.colocated(colo.endpoint)
+    sampling = pb.SamplingParams(max_tokens=40, ignore_eos=True)
+    events_per_request = []
+    for i, prompt in enumerate(prompts):
+        tokens: list[int] = []
+        events = 0
+        async for ev in stub.Complete(
+            pb.CompleteRequest(request_id=f"cspec-{i}", prompt_token_ids=prompt, sampling=sampling)
+        ):
+            tokens.extend(ev.token_ids)
+            events += bool(ev.token_ids)
+        assert tokens == expected[i]
+        events_per_request.append(events)
+    assert min(events_per_request) < 40  # accepted drafts arrive together
+    for worker in (decode, colo):
+        metrics = fetch(worker.metrics_port, "/metrics")
+        drafted = metric_value(metrics, "splitserve_spec_draft_tokens_total")
+        accepted = metric_value(metrics, "splitserve_spec_accepted_tokens_total")
+        assert 0 < accepted <= drafted
+        # Generated tokens count what was emitted, not the rows verified.
+        generated = metric_value(metrics, "splitserve_generation_tokens_processed_total")
+        assert generated == len(prompts) * 39
+
+
 async def test_probes(pair):
     prefill, decode = pair
     for w in (prefill, decode):

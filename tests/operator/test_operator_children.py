@@ -40,7 +40,12 @@ SPEC: dict[str, Any] = {
             }
         },
     },
-    "decode": {"replicas": 3, "maxBatchSize": 64, "topologySpread": {"enabled": False}},
+    "decode": {
+        "replicas": 3,
+        "maxBatchSize": 64,
+        "speculativeTokens": 4,
+        "topologySpread": {"enabled": False},
+    },
     "slo": {"ttft": "300ms", "tpot": "40ms", "percentile": 99},
 }
 
@@ -148,6 +153,7 @@ def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
     assert config.prefill.max_batch_tokens == 2048
     assert config.prefill.kv_cache_memory_bytes == 256 << 20
     assert config.decode.max_batch_size == 64
+    assert config.decode.speculative_tokens == 4
     assert config.router.discovery == "dns"
     assert config.router.prefill_service == "chat-prefill.team-a.svc.cluster.local:50051"
     assert config.router.decode_service == "chat-decode.team-a.svc.cluster.local:50052"

@@ -39,7 +39,7 @@ def test_defaults_match_the_crd_schema() -> None:
         "reasoningParser": "auto",
     }
     assert spec.prefill.settings == {"maxBatchTokens": 8192}
-    assert spec.decode.settings == {"maxBatchSize": 128, "blockSize": 16}
+    assert spec.decode.settings == {"maxBatchSize": 128, "blockSize": 16, "speculativeTokens": 0}
     assert (spec.ttft_seconds, spec.tpot_seconds, spec.percentile) == (0.5, 0.05, 95.0)
     assert spec.autoscaling_mode == "Off"
     assert spec.termination_grace_seconds == 120

@@ -44,6 +44,9 @@ class DecodeSettings:
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_bytes: int = 1 << 30
     reservation_lease_seconds: float = 30.0  # blocks of a transfer that never completes are freed
+    # Speculative decoding by n-gram lookup in the prompt and output: draft tokens verified per
+    # sequence per decode pass (0 = off). Also used by colocated workers.
+    speculative_tokens: int = 0
 
 
 @dataclass
@@ -101,6 +104,7 @@ class ServingConfig:
         checks.append(("router.max_request_bytes", self.router.max_request_bytes, 1))
         if self.model.max_model_len is not None:
             checks.append(("model.max_model_len", self.model.max_model_len, 1))
+        checks.append(("decode.speculative_tokens", self.decode.speculative_tokens, 0))
         for name, value, minimum in checks:
             if value < minimum:
                 raise ConfigError(f"{name}: {value} is below the minimum {minimum}")

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from splitserve_operator.scrape import buckets, histogram_quantile, parse_page
 
+from splitserve_workers.engine.config import MAX_SPECULATIVE_TOKENS
+
 if TYPE_CHECKING:
     from splitserve_workers.local_scaling import LocalAutoscaler
 
@@ -417,6 +419,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="router listen address")
     parser.add_argument("--device", default="auto", help="worker device: auto|cpu|cuda|cuda:N")
     parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        help="decode and colocated workers verify up to this many draft tokens per sequence "
+        "per pass, found by n-gram lookup in the prompt and output (default 0: off)",
+    )
+    parser.add_argument(
         "--demo",
         action="store_true",
         help="send a few streaming requests, print them, stop and exit",
@@ -630,6 +638,9 @@ def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
         raise _usage_error(f"--port: {args.port} must be in [0, 65535]")
     if not args.stats_interval > 0:
         raise _usage_error(f"--stats-interval: {args.stats_interval} must be positive")
+    spec = args.speculative_tokens
+    if spec is not None and not 0 <= spec <= MAX_SPECULATIVE_TOKENS:
+        raise _usage_error(f"--speculative-tokens: {spec} not in [0, {MAX_SPECULATIVE_TOKENS}]")
     if args.colocated is not None:
         if args.prefill is not None or args.decode is not None:
             raise _usage_error("use --colocated K or --prefill N --decode M, not both")
@@ -673,6 +684,8 @@ async def _up(
     ]
     if args.config:
         common += ["--config", args.config]
+    if args.speculative_tokens is not None:
+        common += ["--speculative-tokens", str(args.speculative_tokens)]
     try:
         specs = (
             [("prefill", i) for i in range(n_prefill)]

@@ -148,6 +148,8 @@ class WorkerMetrics:
     generation_tokens_processed: Counter
     draining: Gauge
     busy_seconds: Counter  # time in forward passes: utilization = rate(busy) per replica
+    draft_tokens: Counter  # speculative decoding: drafts verified
+    accepted_tokens: Counter  # ... and accepted
 
 
 def worker_metrics(registry: CollectorRegistry) -> WorkerMetrics:
@@ -199,5 +201,11 @@ def worker_metrics(registry: CollectorRegistry) -> WorkerMetrics:
         draining=gauge("draining", "1 while the worker drains before exit."),
         busy_seconds=counter(
             "busy_seconds", "Seconds the engine spent in forward passes and sampling."
+        ),
+        draft_tokens=counter(
+            "spec_draft_tokens", "Speculative decoding: draft tokens verified in decode passes."
+        ),
+        accepted_tokens=counter(
+            "spec_accepted_tokens", "Speculative decoding: draft tokens accepted (emitted)."
         ),
     )

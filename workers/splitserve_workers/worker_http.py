@@ -58,6 +58,8 @@ class WorkerMetricsUpdater:
             self.m.generation_tokens_processed,
             self.m.draining,
             self.m.busy_seconds,
+            self.m.draft_tokens,
+            self.m.accepted_tokens,
         ):
             metric.labels(**self.labels)
 
@@ -104,13 +106,15 @@ class WorkerMetricsUpdater:
             if tokens > 0:
                 m.iteration_tokens.labels(**lb).observe(tokens)
             m.prompt_tokens_processed.labels(**lb).inc(s.num_prefill_tokens)
-            m.generation_tokens_processed.labels(**lb).inc(s.num_decode_tokens)
+            m.generation_tokens_processed.labels(**lb).inc(s.num_generated_tokens)
             m.preemptions.labels(**lb).inc(self._delta("preemptions", s.preemptions_total))
             m.prefix_cache_hits.labels(**lb).inc(self._delta("hits", s.prefix_cache_hits_total))
             m.prefix_cache_queries.labels(**lb).inc(
                 self._delta("queries", s.prefix_cache_queries_total)
             )
             m.busy_seconds.labels(**lb).inc(self._delta("busy", s.busy_seconds_total))
+            m.draft_tokens.labels(**lb).inc(self._delta("drafts", s.draft_tokens_total))
+            m.accepted_tokens.labels(**lb).inc(self._delta("accepted", s.accepted_tokens_total))
 
 
 # Probes and scrapes send a GET with a few short headers and no body, so the limits are small:

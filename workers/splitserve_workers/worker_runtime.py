@@ -57,6 +57,7 @@ class WorkerSettings:
     drain_timeout_s: float
     lease_s: float
     threads: int | None
+    speculative_tokens: int = 0
     kv_send_after_prefill: bool = False  # prefill ablation (bench/kv_transfer.py)
 
 
@@ -93,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode: free a reservation's blocks when no KV chunk arrives for this long",
     )
     a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    a(
+        "--speculative-tokens",
+        type=int,
+        help="decode: draft tokens (n-gram lookup in the prompt and output) verified per "
+        "sequence per decode pass; 0 = off (default)",
+    )
 
 
 def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
@@ -129,6 +136,7 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
         drain_timeout_s=args.drain_timeout,
         lease_s=pick(args.lease_seconds, cfg.decode.reservation_lease_seconds),
         threads=args.threads,
+        speculative_tokens=pick(args.speculative_tokens, cfg.decode.speculative_tokens),
         kv_send_after_prefill=getattr(args, "kv_send_after_prefill", False),
     )
     for name in ("max_batch_tokens", "max_batch_size", "block_size", "kv_cache_memory_bytes"):
@@ -168,6 +176,7 @@ def engine_config(s: WorkerSettings) -> Any:
         max_batch_size=s.max_batch_size,
         max_batch_tokens=s.max_batch_tokens,
         max_model_len=s.max_model_len,
+        speculative_tokens=s.speculative_tokens,
     )
 
 

@@ -3,7 +3,8 @@ paged KV cache with prefix caching, batched/chunked prefill and continuous-batch
 
 One idea per file: config.py (EngineConfig), model_config.py, loader.py, tokenizer.py,
 models/llama.py, layers/ (rmsnorm, rope, attention), sequence.py, block_manager.py,
-scheduler.py, sampling.py, model_runner.py, llm_engine.py (LLMEngine), make_model.py.
+scheduler.py, speculative.py (n-gram drafts), sampling.py, model_runner.py, llm_engine.py
+(LLMEngine), make_model.py.
 """
 
 from __future__ import annotations

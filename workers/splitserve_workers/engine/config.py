@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_SPECULATIVE_TOKENS = 16
+MAX_NGRAM = 16
 
 
 @dataclass
@@ -28,6 +30,13 @@ class EngineConfig:
     # Addition: decode steps and prompt chunks share forward passes (colocated serving: a long
     # prompt no longer pauses running sequences). Off: an iteration is all prefill or all decode.
     enable_mixed_batches: bool = False
+    # Addition: speculative decoding by n-gram lookup in the sequence's own prompt and output
+    # (speculative.py): up to this many draft tokens verified per sequence in a decode pass;
+    # 0 = off. The drafts come from the longest suffix of speculative_ngram_max down to
+    # speculative_ngram_min tokens seen earlier.
+    speculative_tokens: int = 0
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 3
 
     def validate(self) -> None:
         if not self.model:
@@ -52,5 +61,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_batch_size: {self.max_batch_size} must be >= 1")
         if self.max_batch_tokens < 1:
             raise ValueError(f"EngineConfig.max_batch_tokens: {self.max_batch_tokens} must be >= 1")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"EngineConfig.speculative_tokens: {self.speculative_tokens} not in "
+                f"[0, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= MAX_NGRAM:
+            raise ValueError(
+                f"EngineConfig.speculative_ngram_min/max: {self.speculative_ngram_min}, "
+                f"{self.speculative_ngram_max}: need 1 <= min <= max <= {MAX_NGRAM}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len: {self.max_model_len} must be >= 1")

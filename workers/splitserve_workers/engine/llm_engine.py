@@ -61,7 +61,10 @@ class IterationStats:
     num_waiting: int = 0
     batch_size: int = 0  # sequences observed in the last iteration
     num_prefill_tokens: int = 0
+    # Tokens decode steps computed; for a speculative pass each sequence's last token and its
+    # drafts, of which num_generated_tokens were emitted (else the two are equal).
     num_decode_tokens: int = 0
+    num_generated_tokens: int = 0
     kv_usage: float = 0.0  # 0..1, blocks held by requests and reservations
     free_blocks: int = 0
     total_blocks: int = 0
@@ -71,6 +74,9 @@ class IterationStats:
     queued_prefill_tokens: int = 0
     # Seconds spent in forward passes and sampling since start (the autoscaler's utilization).
     busy_seconds_total: float = 0.0
+    # Speculative decoding: draft tokens verified and accepted since start.
+    draft_tokens_total: int = 0
+    accepted_tokens_total: int = 0
 
 
 @dataclass
@@ -128,7 +134,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.num_kv_blocks, self.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, mc.max_model_len)
         self.model_runner = ModelRunner(
             self.model, mc, self.dtype, self.device, self.num_kv_blocks, self.block_size
         )
@@ -141,6 +147,8 @@ class LLMEngine:
         self._stats = IterationStats(total_blocks=self.num_kv_blocks)
         self._busy_seconds_total = 0.0
         self._max_stop_tokens: dict[str, int] = {}
+        self._draft_tokens_total = 0  # speculative decoding: drafts verified
+        self._accepted_tokens_total = 0  # ... and accepted
 
     # ---- facts -------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -173,6 +181,8 @@ class LLMEngine:
             prefix_cache_hits_total=bm.prefix_cache_hits_total,
             prefix_cache_queries_total=bm.prefix_cache_queries_total,
             busy_seconds_total=self._busy_seconds_total,
+            draft_tokens_total=self._draft_tokens_total,
+            accepted_tokens_total=self._accepted_tokens_total,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens()
             + sum(s.num_tokens for s in self._pending_add),
         )
@@ -313,21 +323,26 @@ class LLMEngine:
                 logits, done, hidden = self.model_runner.run_prefill(seqs, counts, want)
                 for i, rows in zip(want, hidden, strict=True):
                     self._prompt_logprobs(seqs[i], starts[i], rows)
+            elif batch.drafts is not None:
+                logits = self.model_runner.run_verify(seqs, batch.drafts)
+                done = list(range(len(seqs)))
             else:
                 logits = self.model_runner.run_decode(seqs)
                 done = list(range(len(seqs)))
-            sampled = [seqs[i] for i in done]
-            for seq in sampled:
-                if seq.generator is not None:
-                    assert seq.params.seed is not None
-                    seq.generator.manual_seed(_token_seed(seq.params.seed, seq.num_output_tokens))
+            # One row per sampled sequence; a speculative pass has 1 + len(draft) rows for each,
+            # row j sampling output token (num_output_tokens + j) as a plain step would.
+            rows_of = [counts[i] if batch.drafts is not None else 1 for i in done]
+            sampled = [seqs[i] for i, n in zip(done, rows_of, strict=True) for _ in range(n)]
+            generators = [
+                g for i, n in zip(done, rows_of, strict=True) for g in _generators(seqs[i], n)
+            ]
             params = [s.params for s in sampled]
             # Token histories only for a batch with penalties (built every step otherwise).
             penalized = any(p.adjusts_logits for p in params)
             tokens, logprobs, tops = sample(
                 logits,
                 params,
-                [s.generator for s in sampled],
+                generators,
                 [(s.token_ids, s.num_prompt_tokens) for s in sampled] if penalized else None,
                 [s.penalty_state for s in sampled] if penalized else None,
                 _grammar_masks(sampled, logits.shape[-1]),
@@ -346,14 +361,17 @@ class LLMEngine:
                 self._outputs = []
                 self._stats = self._snapshot(IterationStats(batch_size=len(seqs)))
             return outputs
-        sampled_at = {id(s): j for j, s in enumerate(sampled)}
+        sampled_at: dict[int, int] = {}
+        for row, s in enumerate(sampled):
+            sampled_at.setdefault(id(s), row)  # a speculative sequence's first row
 
         with self._lock:
             self._busy_seconds_total += time.perf_counter() - started
             self._apply_aborts()
             outputs.extend(self._outputs)
             self._outputs = []
-            for seq, n in zip(seqs, counts, strict=True):
+            generated = 0 if batch.drafts is not None else batch.num_decode
+            for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
                 if seq.status is SequenceStatus.FINISHED:
                     continue  # aborted during the forward pass
                 if seq.error is not None:
@@ -361,22 +379,60 @@ class LLMEngine:
                     self._finish(seq, "error")
                     outputs.append(self._output(seq, None, None))
                     continue
-                self.scheduler.mark_computed(seq, n)
                 j = sampled_at.get(id(seq))
+                if batch.drafts is not None:
+                    assert j is not None
+                    picked = zip(
+                        tokens[j : j + n], logprobs[j : j + n], tops[j : j + n], strict=True
+                    )
+                    accepted = self._accept(seq, batch.drafts[i], list(picked))
+                    outputs.extend(accepted)
+                    generated += len(accepted)
+                    continue
+                self.scheduler.mark_computed(seq, n)
                 if j is None:
                     continue  # a chunk of a longer prompt; more to come
                 if seq.status is SequenceStatus.WAITING:
                     self.scheduler.waiting.remove(seq)
                     self.scheduler.add_running(seq)
                 outputs.append(self._append_token(seq, tokens[j], logprobs[j], tops[j]))
+            decode_tokens = sum(counts) if batch.drafts is not None else batch.num_decode
             self._stats = self._snapshot(
                 IterationStats(
                     batch_size=len(seqs),
-                    num_prefill_tokens=sum(counts) - batch.num_decode,
-                    num_decode_tokens=batch.num_decode,
+                    num_prefill_tokens=sum(counts) - decode_tokens,
+                    num_decode_tokens=decode_tokens,
+                    num_generated_tokens=generated,
                 )
             )
         return outputs
+
+    def _accept(
+        self,
+        seq: Sequence,
+        draft: list[int],
+        picked: list[tuple[int, float | None, list[tuple[int, float]] | None]],
+    ) -> list[TokenOutput]:
+        """A speculative pass's rows for one sequence (speculative.py): each row's sampled
+        token is emitted, and the next row counts only while the token equals the draft token
+        that row was computed after. The KV of the last token and the accepted drafts is
+        kept; the blocks taken for the rest are freed."""
+        outs: list[TokenOutput] = []
+        accepted = 0
+        for r, (token, logprob, top) in enumerate(picked):
+            outs.append(self._append_token(seq, token, logprob, top))
+            hit = r < len(draft) and token == draft[r]
+            accepted += hit
+            if not hit or seq.status is SequenceStatus.FINISHED:
+                break
+        self._draft_tokens_total += len(draft)
+        self._accepted_tokens_total += accepted
+        if seq.drafter is not None:
+            seq.drafter.update(len(draft), accepted)
+        if seq.status is not SequenceStatus.FINISHED:
+            self.scheduler.mark_computed(seq, len(outs))
+            self.scheduler.trim(seq)
+        return outs
 
     def _prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         """Fills seq.prompt_logprobs for the prompt tokens after positions [start, start + n)
@@ -667,6 +723,20 @@ class LLMEngine:
             if r is not None:
                 return self.model_runner.read_kv(layer, r.block_table, 0, r.num_prompt_tokens)
         raise ValueError(f"request_id: {request_id!r} has no KV in this engine")
+
+
+def _generators(seq: Sequence, rows: int) -> list[torch.Generator | None]:
+    """The generators of a sequence's rows in one pass, row j's seeded for output token
+    num_output_tokens + j (what a plain step would seed it with); None for an unseeded one."""
+    if seq.generator is None:
+        return [None] * rows
+    assert seq.params.seed is not None
+    while len(seq.draft_generators) < rows - 1:
+        seq.draft_generators.append(torch.Generator(device=seq.generator.device))
+    gens = [seq.generator, *seq.draft_generators[: rows - 1]]
+    for j, g in enumerate(gens):
+        g.manual_seed(_token_seed(seq.params.seed, seq.num_output_tokens + j))
+    return list(gens)
 
 
 def _grammar_masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], torch.Tensor] | None:

@@ -80,18 +80,55 @@ class ModelRunner:
         the sequences whose prompt this pass completes, their indices in seqs, and for each
         index in all_rows the final hidden state of every token it computed ([n, hidden]:
         prompt logprobs)."""
-        bs = self.block_size
         starts = [s.num_computed_tokens for s in seqs]
+        ids = [
+            t
+            for s, st, n in zip(seqs, starts, counts, strict=True)
+            for t in s.token_ids[st : st + n]
+        ]
+        hidden = self._forward_chunks(
+            seqs, starts, counts, ids, self._kv_hook(seqs, starts, counts)
+        )
+        self.mark_exported(seqs, starts, counts)
+        done = [
+            i
+            for i, (seq, st, n) in enumerate(zip(seqs, starts, counts, strict=True))
+            if st + n == seq.num_tokens
+        ]
+        ends = torch.tensor(counts).cumsum(0) - 1
+        rows = ends[done].to(self.device)
+        every = [hidden[int(ends[i]) - counts[i] + 1 : int(ends[i]) + 1] for i in all_rows]
+        return self.model.compute_logits(hidden.index_select(0, rows)), done, every
+
+    @torch.inference_mode()
+    def run_verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """Speculative decoding (speculative.py): each sequence's last token (whose KV is not
+        cached yet) and its draft tokens in one pass on top of the cached context; the drafts'
+        blocks are already allocated. Returns logits for every row: sum(1 + len(draft))."""
+        starts = [s.num_tokens - 1 for s in seqs]
+        counts = [1 + len(d) for d in drafts]
+        ids = [t for s, d in zip(seqs, drafts, strict=True) for t in (s.token_ids[-1], *d)]
+        return self.model.compute_logits(self._forward_chunks(seqs, starts, counts, ids, None))
+
+    def _forward_chunks(
+        self,
+        seqs: list[Sequence],
+        starts: list[int],
+        counts: list[int],
+        ids: list[int],
+        hook: KVHook | None,
+    ) -> torch.Tensor:
+        """One pass over token positions [starts[b], starts[b] + counts[b]) of each sequence
+        (token ids `ids`, flat) on top of its cached context. Returns every row's hidden state."""
+        bs = self.block_size
         B = len(seqs)
         Q = max(counts)
         L = max(st + n for st, n in zip(starts, counts, strict=True))
-        ids: list[int] = []
         pos_parts: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
         nb = -(-L // bs)
         tables = torch.zeros(B, nb, dtype=torch.long)
         for b, (seq, st, n) in enumerate(zip(seqs, starts, counts, strict=True)):
-            ids.extend(seq.token_ids[st : st + n])
             pos = torch.arange(st, st + n)
             table = torch.tensor(seq.block_table[:nb], dtype=torch.long)
             tables[b, : len(table)] = table
@@ -134,24 +171,13 @@ class ModelRunner:
                     AttentionMetadata(meta.slot_mapping, B, Q, L),
                 )
 
-        hook = self._kv_hook(seqs, starts, counts)
-        hidden = self.model(
+        return self.model(
             torch.tensor(ids, dtype=torch.long).to(self.device),
             positions.to(self.device),
             self.kv_cache,
             meta,
             hook,
         )
-        self.mark_exported(seqs, starts, counts)
-        done = [
-            i
-            for i, (seq, st, n) in enumerate(zip(seqs, starts, counts, strict=True))
-            if st + n == seq.num_tokens
-        ]
-        ends = torch.tensor(counts).cumsum(0) - 1
-        rows = ends[done].to(self.device)
-        every = [hidden[int(ends[i]) - counts[i] + 1 : int(ends[i]) + 1] for i in all_rows]
-        return self.model.compute_logits(hidden.index_select(0, rows)), done, every
 
     @torch.inference_mode()
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from splitserve_workers.engine.block_manager import BlockManager, chain_hash
 from splitserve_workers.engine.config import EngineConfig
 from splitserve_workers.engine.sequence import Sequence, SequenceStatus
+from splitserve_workers.engine.speculative import Drafter
 
 
 @dataclass
@@ -25,13 +26,21 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence: tokens whose KV this pass computes
     num_decode: int = 0  # the first num_decode sequences are decode steps (1 token each)
+    # Speculative decode pass: per sequence, the draft tokens verified after its last token
+    # (num_new_tokens is then 1 + len(draft)); None for a plain pass.
+    drafts: list[list[int]] | None = None
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
         self.max_batch_size = config.max_batch_size
         self.max_batch_tokens = config.max_batch_tokens
+        self.max_model_len = max_model_len
         self.mixed = config.enable_mixed_batches
+        self.speculative_tokens = config.speculative_tokens
+        self.ngram = (config.speculative_ngram_min, config.speculative_ngram_max)
         self.bm = block_manager
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
@@ -68,7 +77,10 @@ class Scheduler:
         batch = self._schedule_prefill(self.max_batch_tokens)
         if batch is not None:
             return batch, []
-        return self._schedule_decode()
+        batch, too_long = self._schedule_decode()
+        if batch is not None and self.speculative_tokens:
+            self._draft(batch)
+        return batch, too_long
 
     def _schedule_mixed(self) -> tuple[ScheduledBatch | None, list[Sequence]]:
         # Running sequences decode first (one token of the budget each); prompt chunks fill
@@ -163,6 +175,44 @@ class Scheduler:
         if not batch:
             return None, too_long
         return ScheduledBatch(False, batch, [1] * len(batch), num_decode=len(batch)), too_long
+
+    def _draft(self, batch: ScheduledBatch) -> None:
+        """Draft tokens (speculative.py) for a decode batch's sequences, with the blocks they
+        need, as far as free blocks and the token budget go: a draft never preempts anyone.
+        Never more than the request may still emit (max_tokens, the model's length) minus the
+        token the pass emits anyway."""
+        budget = self.max_batch_tokens - len(batch.seqs)
+        bs = self.bm.block_size
+        drafts: list[list[int]] = []
+        for seq in batch.seqs:
+            limit = min(
+                budget,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            draft: list[int] = []
+            if seq.speculable:
+                if seq.drafter is None:
+                    seq.drafter = Drafter(self.speculative_tokens, *self.ngram)
+                draft = seq.drafter.propose(seq.token_ids, limit)
+                room = (len(seq.block_table) + self.bm.num_free_blocks) * bs - seq.num_tokens
+                draft = draft[: max(0, room)]
+                need = self.bm.blocks_for(seq.num_tokens + len(draft)) - len(seq.block_table)
+                if need > 0:
+                    seq.block_table.extend(self.bm.allocate(need))
+                budget -= len(draft)
+            drafts.append(draft)
+        if any(drafts):
+            batch.drafts = drafts
+            batch.num_new_tokens = [1 + len(d) for d in drafts]
+
+    def trim(self, seq: Sequence) -> None:
+        """Frees the blocks past the one holding the sequence's last token (a speculative pass
+        allocated them for drafts that were not accepted)."""
+        keep = self.bm.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.bm.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def _allocate(
         self, seq: Sequence, active: int, watermark: int

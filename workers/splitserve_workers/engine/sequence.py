@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from splitserve_workers.engine.sampling import PenaltyState, SamplingParams
+from splitserve_workers.engine.speculative import Drafter
 
 # on_kv(request_id, layer, token_start, k, v), k/v: [n_tokens, kv_heads, head_dim]
 OnKV = Callable[[str, int, int, torch.Tensor, torch.Tensor], None]
@@ -94,6 +95,17 @@ class Sequence:
         self.penalty_state = PenaltyState()
         # With SamplingParams.grammar: its llguidance matcher, advanced by every output token.
         self.matcher: Any = None
+        # Speculative decoding (speculative.py): its drafter (n-gram index of token_ids and
+        # adaptive draft length), made on first use, and a generator per draft row of a seeded
+        # request (row 0 uses `generator`).
+        self.drafter: Drafter | None = None
+        self.draft_generators: list[torch.Generator] = []
+
+    @property
+    def speculable(self) -> bool:
+        """Drafts can be verified for it: nothing but its tokens decides its next distribution
+        (no grammar state, no penalties or bias), and it decodes here."""
+        return self.matcher is None and not self.params.adjusts_logits and not self.prefill_only
 
     @property
     def wants_prompt_logprobs(self) -> bool:
