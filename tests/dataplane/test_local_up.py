@@ -1,6 +1,7 @@
 """`splitserve up` as a user runs it: `--demo` on a fresh cache builds the tiny model, starts the
-pools and the router, streams a few answers and exits 0 by itself; a long-running `up` stops all
-its children on SIGTERM (no orphans)."""
+pools and the router, streams a few answers and exits 0 by itself; a long-running `up` restarts
+a worker killed under it on the same port and stops all its children on SIGTERM (no orphans);
+with `--max-restarts 0` the first exit stops everything."""
 
 from __future__ import annotations
 
@@ -115,10 +116,71 @@ def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> No
             time.sleep(0.2)
         assert any("TTFT mean" in line for line in lines), "".join(lines)
 
+        # A worker killed under it is started again on the same ports and serves again.
+        decode = next(c for c in children if c.cmdline()[3:4] == ["decode"])
+        decode.kill()
+        deadline = time.monotonic() + DEMO_TIMEOUT_S
+        while not any(re.search(r"decode-\d is back on port", x) for x in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        assert any("exited with -9; restarting it on port" in x for x in lines), "".join(lines)
+        now = psutil.Process(proc.pid).children(recursive=True)
+        decodes = [c for c in now if c.cmdline()[3:4] == ["decode"]]
+        assert len(decodes) == 2 and decode.pid not in [c.pid for c in decodes]
+        back = next(c for c in decodes if c.pid not in [x.pid for x in children])
+        assert back.cmdline()[back.cmdline().index("--port") + 1] != "0"  # pinned to its port
+        for _ in range(4):  # whichever decode worker the router picks
+            assert httpx.post(url, json=body, headers=key, timeout=120).status_code == 200
+        children = now
+
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, "".join(lines)
         gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_up_with_max_restarts_0_stops_at_the_first_exit(tiny_model: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        up_cmd(
+            "--model",
+            str(tiny_model),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--colocated",
+            "1",
+            "--max-restarts",
+            "0",
+            "--log-dir",
+            str(tmp_path),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env_with(),
+    )
+    try:
+        assert proc.stdout is not None
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("READY role=up"):
+                break
+        worker = next(
+            c
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if c.cmdline()[3:4] == ["colocated"]
+        )
+        worker.kill()
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1, "".join(out) + rest
+        assert "colocated-0 exited with -9; not restarting it (--max-restarts 0)" in rest
+        assert "stopping" in rest
     finally:
         if proc.poll() is None:
             proc.kill()

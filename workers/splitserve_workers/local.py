@@ -38,6 +38,8 @@ READY_RE = re.compile(
 DEFAULT_PRESET = "tiny-llama"
 START_TIMEOUT_S = 600.0  # first start imports torch and may build the model
 STOP_TIMEOUT_S = 30.0
+RESTART_WINDOW_S = 60.0  # --max-restarts counts restarts of one child within this window
+DEFAULT_MAX_RESTARTS = 3
 DEMO_PROMPTS = (
     "Explain in one sentence why prefill and decode are served by separate pools.",
     "Write a haiku about a KV cache moving between two machines.",
@@ -105,12 +107,14 @@ def _die_with_parent() -> None:
 @dataclass
 class Child:
     name: str
-    proc: asyncio.subprocess.Process
     log_path: Path
+    proc: asyncio.subprocess.Process = field(init=False)  # the latest process (restarts)
     port: int = 0
     metrics_port: int = 0
     stdout: list[str] = field(default_factory=list)
     retiring: bool = False  # told to stop (scale-down): its exit is not a failure
+    args: list[str] = field(default_factory=list)  # its command line after `splitserve`
+    restarts: list[float] = field(default_factory=list)  # monotonic times it was restarted
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -121,31 +125,48 @@ class Child:
 
 
 class LocalStack:
-    """Starts, watches and stops the child processes."""
+    """Starts, watches, restarts and stops the child processes."""
 
     def __init__(self, log_dir: Path, threads_per_child: int) -> None:
         self.log_dir = log_dir
         self.children: list[Child] = []
-        self.exited: list[Child] = []  # children that exited on their own after starting
-        self._exit = asyncio.Event()
+        # Children that exited on their own after starting (not told to), in exit order.
+        self._exited: asyncio.Queue[Child] = asyncio.Queue()
         self.env = dict(os.environ)
         self.env["PYTHONUNBUFFERED"] = "1"
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             self.env.setdefault(var, str(threads_per_child))
 
     async def start(self, name: str, args: list[str]) -> Child:
-        log_path = self.log_dir / f"{name}.log"
-        with open(log_path, "wb") as log_file:
+        child = Child(name, self.log_dir / f"{name}.log", args=list(args))
+        self.children.append(child)
+        try:
+            await self._launch(child, "wb")
+        except RuntimeError:
+            # Not started is not a child: forget it, so its exit is not taken for a crash.
+            self.children.remove(child)
+            raise
+        return child
+
+    async def restart(self, child: Child) -> None:
+        """Starts an exited child again with the same command line, on the ports it had (so
+        the router and the autoscaler find it where they knew it); its log continues.
+        RuntimeError when it does not start."""
+        child.args = _pinned_ports(child.args, child.port, child.metrics_port)
+        child.restarts.append(time.monotonic())
+        await self._launch(child, "ab")
+
+    async def _launch(self, child: Child, log_mode: str) -> None:
+        with open(child.log_path, log_mode) as log_file:
             proc = await asyncio.create_subprocess_exec(
-                *splitserve_cmd(*args),
+                *splitserve_cmd(*child.args),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_file,
                 stdin=asyncio.subprocess.DEVNULL,
                 env=self.env,
                 preexec_fn=_die_with_parent,
             )
-        child = Child(name, proc, log_path)
-        self.children.append(child)
+        child.proc = proc
         ready: asyncio.Future[re.Match[str]] = asyncio.get_running_loop().create_future()
 
         async def pump() -> None:
@@ -162,32 +183,27 @@ class LocalStack:
                 return
             await proc.wait()
             if not child.retiring:
-                self.exited.append(child)
-                self._exit.set()
+                self._exited.put_nowait(child)
 
         asyncio.get_running_loop().create_task(pump())
         try:
             m = await asyncio.wait_for(ready, START_TIMEOUT_S)
             child.port, child.metrics_port = int(m["port"]), int(m["metrics"] or 0)
         except (TimeoutError, RuntimeError) as e:
-            # Not started is not a child: stop it (if it still runs) and forget it, so its
-            # later exit is not taken for a crash of a serving process.
+            # Stop it (if it still runs), so its later exit is not taken for a crash.
             child.retiring = True
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-            self.children.remove(child)
             raise RuntimeError(
-                f"{name} did not start ({e or 'timed out'}); its log "
-                f"{log_path}:\n{child.log_tail()}"
+                f"{child.name} did not start ({e or 'timed out'}); its log "
+                f"{child.log_path}:\n{child.log_tail()}"
             ) from None
-        return child
 
     async def wait_any_exit(self) -> Child:
-        """Returns the first started child that exits without being told to (the caller treats
-        it as a failure); children started later count too."""
-        await self._exit.wait()
-        return self.exited[0]
+        """The next started child that exits without being told to; children started (or
+        restarted) later count too."""
+        return await self._exited.get()
 
     async def stop(self) -> None:
         """SIGTERM in reverse start order (the router first, so nothing new reaches the pools),
@@ -227,6 +243,8 @@ class LiveLine:
             count = page.get((metric + "_count", ""), 0.0)
             cumulative = buckets(page, metric)
             old_total, old_count, old_buckets = self._last.get(key, (0.0, 0.0, []))
+            if count < old_count:  # the router was restarted: its counters began again
+                old_total, old_count, old_buckets = 0.0, 0.0, []
             self._last[key] = (total, count, cumulative)
             n = count - old_count
             if key == "TTFT":
@@ -433,6 +451,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stats-interval", type=float, default=5.0, help="seconds between live TTFT/TPOT lines"
     )
     parser.add_argument("--log-dir", help="where child logs go (default: a temp dir)")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=DEFAULT_MAX_RESTARTS,
+        help="a process that exits on its own is started again on its ports, unless it was "
+        f"restarted this many times in the last {RESTART_WINDOW_S:.0f} s; then everything "
+        f"stops (default {DEFAULT_MAX_RESTARTS}; 0: stop at the first exit)",
+    )
     scaling = parser.add_argument_group(
         "autoscaling",
         "size the prefill and decode pools from their measured TTFT, TPOT, utilization and KV "
@@ -638,6 +664,8 @@ def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
         raise _usage_error(f"--port: {args.port} must be in [0, 65535]")
     if not args.stats_interval > 0:
         raise _usage_error(f"--stats-interval: {args.stats_interval} must be positive")
+    if args.max_restarts < 0:
+        raise _usage_error(f"--max-restarts: {args.max_restarts} must be >= 0")
     spec = args.speculative_tokens
     if spec is not None and not 0 <= spec <= MAX_SPECULATIVE_TOKENS:
         raise _usage_error(f"--speculative-tokens: {spec} not in [0, {MAX_SPECULATIVE_TOKENS}]")
@@ -765,12 +793,14 @@ async def _up(
             return 0
         print("press Ctrl-C to stop", flush=True)
         if scaler is None:
-            return await _watch(stack, base, stop, args.stats_interval)
+            return await _watch(stack, base, stop, args.stats_interval, args.max_restarts)
         scaler.router_metrics_url = base + "/metrics"
         print(f"autoscaling: {scaler.describe()}", flush=True)
         scaling = asyncio.ensure_future(scaler.run(stop))
         try:
-            return await _watch(stack, base, stop, args.stats_interval, scaler.sizes)
+            return await _watch(
+                stack, base, stop, args.stats_interval, args.max_restarts, scaler.sizes
+            )
         finally:
             scaling.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -812,27 +842,34 @@ async def _watch(
     base: str,
     stop: asyncio.Event,
     interval: float,
+    max_restarts: int,
     sizes: Callable[[], str] | None = None,
 ) -> int:
+    """Prints the live line until Ctrl-C. A child that exits on its own is started again on
+    its ports (what it had in flight is lost; its clients got their error), unless it has
+    already been restarted max_restarts times in the last RESTART_WINDOW_S seconds (a crash
+    loop) or does not come back: then `up` stops everything and exits 1."""
     live = LiveLine()
     exited = asyncio.ensure_future(stack.wait_any_exit())
     stopper = asyncio.ensure_future(stop.wait())
+    restarting: set[asyncio.Future[bool]] = set()
     try:
         while True:
+            waiting: set[asyncio.Future[Any]] = {exited, stopper, *restarting}
             done, _ = await asyncio.wait(
-                {exited, stopper}, timeout=interval, return_when=asyncio.FIRST_COMPLETED
+                waiting, timeout=interval, return_when=asyncio.FIRST_COMPLETED
             )
             if stopper in done:
                 return 0
+            for task in [t for t in restarting if t in done]:
+                restarting.discard(task)
+                if not task.result():
+                    return 1
             if exited in done:
-                child = exited.result()
-                print(
-                    f"splitserve up: {child.name} exited with {child.proc.returncode}; "
-                    f"its log:\n{child.log_tail()}",
-                    file=sys.stderr,
-                    flush=True,
+                restarting.add(
+                    asyncio.ensure_future(_restart(stack, exited.result(), max_restarts))
                 )
-                return 1
+                exited = asyncio.ensure_future(stack.wait_any_exit())
             with contextlib.suppress(Exception):
                 line = live.update(await _get(base + "/metrics"))
                 if line:
@@ -841,6 +878,46 @@ async def _watch(
     finally:
         exited.cancel()
         stopper.cancel()
+        for task in restarting:
+            task.cancel()
+
+
+async def _restart(stack: LocalStack, child: Child, max_restarts: int) -> bool:
+    """Starts an exited child again; False (said why) when it should not or did not."""
+    now = time.monotonic()
+    recent = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
+    why = f"{child.name} exited with {child.proc.returncode}"
+    if len(recent) >= max_restarts:
+        loop = f" ({len(recent)} restarts in {RESTART_WINDOW_S:.0f} s)" if recent else ""
+        print(
+            f"splitserve up: {why}{loop}; not restarting it (--max-restarts {max_restarts}); "
+            f"its log:\n{child.log_tail()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    print(
+        f"splitserve up: {why}; restarting it on port {child.port} (what it had in flight is "
+        f"lost); its log {child.log_path} ends:\n{child.log_tail(10)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        await stack.restart(child)
+    except RuntimeError as e:
+        print(f"splitserve up: {e}", file=sys.stderr, flush=True)
+        return False
+    print(f"[{time.strftime('%H:%M:%S')}] {child.name} is back on port {child.port}", flush=True)
+    return True
+
+
+def _pinned_ports(args: list[str], port: int, metrics_port: int) -> list[str]:
+    """args with the values of --port and --metrics-port set to these ports."""
+    out = list(args)
+    for flag, value in (("--port", port), ("--metrics-port", metrics_port)):
+        if flag in out[:-1]:
+            out[out.index(flag) + 1] = str(value)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
