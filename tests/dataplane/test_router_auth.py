@@ -6,6 +6,7 @@ restart. Bad key sources exit 2 naming the flag."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -97,10 +98,10 @@ def router(tiny_model: Path, launch_worker: Any, tmp_path: Path) -> dict[str, An
         [
             "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
             "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9",
-            "--model-name", "tiny", "--api-key-file", str(keys),
+            "--model-name", "tiny", "--api-key-file", str(keys), "--log-requests",
         ],
     )  # fmt: skip
-    return {"base": f"http://127.0.0.1:{proc.port}", "keys": keys}
+    return {"base": f"http://127.0.0.1:{proc.port}", "keys": keys, "proc": proc}
 
 
 def client(base: str, key: str) -> openai.OpenAI:
@@ -124,6 +125,25 @@ def test_the_api_needs_a_key_the_probes_do_not(router: dict[str, Any]) -> None:
                 "code": "invalid_api_key",
             }
         }
+    # A refused generation request is in the request log (an operator auditing it sees the
+    # attempts); the model list is not a generation request.
+    deadline = time.monotonic() + 30
+    while '"error_code":"invalid_api_key"' not in router["proc"].log():
+        assert time.monotonic() < deadline, router["proc"].log()[-2000:]
+        time.sleep(0.05)
+    logged = [
+        json.loads(line.partition(" INFO splitserve.requests: ")[2])
+        for line in router["proc"].log().splitlines()
+        if " INFO splitserve.requests: " in line
+    ]
+    assert len(logged) == 1, logged
+    assert logged[0]["id"].startswith("cmpl-")
+    assert {k: logged[0][k] for k in ("path", "status", "http_status", "error_code")} == {
+        "path": "/v1/completions",
+        "status": "rejected",
+        "http_status": 401,
+        "error_code": "invalid_api_key",
+    }
     # The kubelet's probes and Prometheus carry no key.
     assert httpx.get(base + "/health", timeout=30).status_code == 200
     assert httpx.get(base + "/ready", timeout=30).status_code == 503  # no worker, not 401

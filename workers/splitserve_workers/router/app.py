@@ -154,6 +154,9 @@ def unsupported_coding(coding: str) -> api.APIError:
     )
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 def _needs_key(path: str) -> bool:
     """The API (and the debug view) need a key when keys are configured; the probes and
     /metrics (the kubelet and Prometheus call them, inside the cluster) do not."""
@@ -254,6 +257,11 @@ class Router:
                 "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
+            if self.options.log_requests and request.path in GENERATION_PATHS:
+                # Refused before any work, but an operator auditing the log wants to see it.
+                prefix = "chatcmpl-" if "chat" in request.path else "cmpl-"
+                rid = prefix + uuid.uuid4().hex
+                log_request(rid, request.path, "rejected", time.monotonic(), None, err)
             return web.json_response(err.body(), status=401, headers={"WWW-Authenticate": "Bearer"})
         try:
             return await handler(request)
