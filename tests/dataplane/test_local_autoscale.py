@@ -177,7 +177,7 @@ async def test_a_worker_that_fails_to_start_is_forgotten(tmp_path: Path) -> None
     stack = LocalStack(tmp_path, threads_per_child=1)
     with pytest.raises(RuntimeError, match="decode-9 did not start"):
         await stack.start("decode-9", ["decode", "--no-such-flag"])
-    assert stack.children == [] and stack.exited == []
+    assert stack.children == [] and stack._exited.empty()
 
 
 def test_up_autoscale_lets_decode_sleep_and_wakes_it_for_a_request(
