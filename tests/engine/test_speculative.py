@@ -220,19 +220,49 @@ def test_drafts_never_exceed_what_the_request_may_still_emit(
     assert engine.stats().free_blocks == engine.num_kv_blocks
 
 
-def test_constrained_and_penalized_rows_share_a_pass_undrafted(
+def test_penalties_and_bias_are_drafted_for_and_equal_plain_decoding(
     make_engine: Callable[..., LLMEngine],
 ) -> None:
-    schema_free = SamplingParams(max_tokens=30, ignore_eos=True)
+    """A draft row's penalties count the drafts before it (its history if they are accepted);
+    a constrained row shares the pass undrafted."""
     params = [
-        schema_free,
         SamplingParams(max_tokens=30, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(
+            max_tokens=30,
+            frequency_penalty=0.4,
+            presence_penalty=0.2,
+            seed=1,
+            temperature=0.8,
+            ignore_eos=True,
+        ),  # fmt: skip
         SamplingParams(max_tokens=30, grammar=G.regex(r"[a-z]{3,20}")),
-        SamplingParams(max_tokens=30, logit_bias={5: 3.0}, ignore_eos=True),
-        schema_free,
+        SamplingParams(max_tokens=30, logit_bias={5: 3.0, 9: -50.0}, ignore_eos=True),
+        SamplingParams(max_tokens=30, frequency_penalty=1.0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=30, repetition_penalty=0.8, frequency_penalty=-0.5, ignore_eos=True
+        ),  # fmt: skip
     ]
-    spec = _compare(make_engine, None, _prompts, params)
+    engine = make_engine(speculative_tokens=K)
+    spec = _compare(make_engine, None, lambda e: [*_prompts(e), _prompts(e)[3]], params)
     assert spec.stats().accepted_tokens_total > 0
+    # Penalised rows alone are drafted for (and some drafts accepted) too.
+    only = [p for p in params if p.grammar is None]
+    _run(engine, _prompts(engine), only)
+    assert engine.stats().accepted_tokens_total > 0
+
+
+def test_a_draft_rows_history_holds_the_drafts_before_it() -> None:
+    from splitserve_workers.engine.llm_engine import _histories
+    from splitserve_workers.engine.sequence import Sequence
+
+    a = Sequence("a", [1, 2, 3], SamplingParams(frequency_penalty=1.0))
+    b = Sequence("b", [7, 8], SamplingParams())
+    a.token_ids.append(4)
+    histories, states = _histories([a, b], [0, 1], [3, 1], [[5, 6], []])
+    assert histories == [([1, 2, 3, 4], 3), ([1, 2, 3, 4, 5], 3), ([1, 2, 3, 4, 5, 6], 3),
+                         ([7, 8], 2)]  # fmt: skip
+    # A sequence's kept statistics serve its first row; draft rows get their own.
+    assert states == [a.penalty_state, None, None, b.penalty_state]
 
 
 def test_kv_handoff_then_speculative_decode_equals_local(

@@ -37,7 +37,12 @@ from splitserve_workers.engine.grammar import GrammarError, Grammars, executor
 from splitserve_workers.engine.loader import load_model
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.model_runner import ModelRunner
-from splitserve_workers.engine.sampling import SamplingParams, prompt_logprobs, sample
+from splitserve_workers.engine.sampling import (
+    PenaltyState,
+    SamplingParams,
+    prompt_logprobs,
+    sample,
+)
 from splitserve_workers.engine.scheduler import Scheduler
 from splitserve_workers.engine.sequence import (
     OnKV,
@@ -339,12 +344,15 @@ class LLMEngine:
             params = [s.params for s in sampled]
             # Token histories only for a batch with penalties (built every step otherwise).
             penalized = any(p.adjusts_logits for p in params)
+            histories, states = (
+                _histories(seqs, done, rows_of, batch.drafts) if penalized else (None, None)
+            )
             tokens, logprobs, tops = sample(
                 logits,
                 params,
                 generators,
-                [(s.token_ids, s.num_prompt_tokens) for s in sampled] if penalized else None,
-                [s.penalty_state for s in sampled] if penalized else None,
+                histories,
+                states,
                 _grammar_masks(sampled, logits.shape[-1]),
             )
         except Exception:
@@ -723,6 +731,25 @@ class LLMEngine:
             if r is not None:
                 return self.model_runner.read_kv(layer, r.block_table, 0, r.num_prompt_tokens)
         raise ValueError(f"request_id: {request_id!r} has no KV in this engine")
+
+
+def _histories(
+    seqs: list[Sequence], done: list[int], rows_of: list[int], drafts: list[list[int]] | None
+) -> tuple[list[tuple[list[int], int]], list[PenaltyState | None]]:
+    """Each sampled row's token history and penalty statistics: a sequence's own for its first
+    row; for its draft rows its tokens plus the drafts before that row (what the history is if
+    they are accepted), with statistics built for the row alone."""
+    histories: list[tuple[list[int], int]] = []
+    states: list[PenaltyState | None] = []
+    for i, n in zip(done, rows_of, strict=True):
+        seq = seqs[i]
+        histories.append((seq.token_ids, seq.num_prompt_tokens))
+        states.append(seq.penalty_state)
+        for j in range(1, n):
+            assert drafts is not None
+            histories.append((seq.token_ids + drafts[i][:j], seq.num_prompt_tokens))
+            states.append(None)
+    return histories, states
 
 
 def _generators(seq: Sequence, rows: int) -> list[torch.Generator | None]:

@@ -12,9 +12,9 @@ one fixed token, "accept it with probability p(draft), else sample from p withou
 same distribution as "sample from p and keep the draft if they match".
 
 It pays where the output repeats its input (editing, extraction, code, quoting a document) and
-costs one wider pass where it does not; nothing needs a second model. Sequences under a grammar
-or with logit adjustments (bias, penalties) are not drafted for: their next distribution depends
-on state each token changes.
+costs one wider pass where it does not; nothing needs a second model. Penalties see each draft
+row's history with the drafts before it. Sequences under a grammar are not drafted for: the
+matcher's state would have to follow each draft and roll back.
 """
 
 from __future__ import annotations
