@@ -14,6 +14,8 @@ bracket it:
 - `oracle`: the drafts are the tokens plain decoding produced next (the lookup replaced by the
   known answer): every draft is accepted, the ceiling at this --draft-tokens (one pass of
   1 + k rows per sequence against k + 1 plain passes).
+- `json`: answers held to a JSON schema (bench/structured.py's): the drafts are what the
+  grammar forces next (keys, punctuation), else the lookup's as far as the grammar allows.
 - `wrong`: the drafts are never right (the known answer's tokens shifted by one id): the
   floor, what drafting costs over plain decoding where it never pays (each sequence's
   drafter then shrinks its drafts and pauses, speculative.Drafter).
@@ -34,9 +36,12 @@ from typing import Any
 
 import torch
 from splitserve_workers.engine import EngineConfig, LLMEngine, SamplingParams, speculative
+from splitserve_workers.engine.grammar import json_schema
 from splitserve_workers.local import ensure_model
+from structured import SCHEMA  # bench/structured.py's extraction schema
 
 RESULTS = Path(__file__).resolve().parent / "results"
+JSON = json_schema(SCHEMA)
 
 
 def prompts_for(engine: LLMEngine, batch: int, length: int) -> list[list[int]]:
@@ -50,10 +55,9 @@ def prompts_for(engine: LLMEngine, batch: int, length: int) -> list[list[int]]:
     return out
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
     """Every request to completion: seconds in decode passes, tokens those passes emitted,
     sequence-passes (each decode pass's batch size, summed) and every request's tokens."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, p, params)
@@ -122,15 +126,18 @@ def main() -> None:
         f"{'accepted':>9} {'tok/pass':>8} {'identical':>9}"
     )
     for batch in [int(b) for b in args.batches.split(",")]:
-        for workload in ("lookup", "oracle", "wrong"):
+        for workload in ("lookup", "oracle", "wrong", "json"):
+            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+            if workload == "json":
+                params = SamplingParams(max_tokens=4 * args.max_tokens, grammar=JSON)
             prompts = prompts_for(plain, batch, args.prompt_tokens)
             real_index = speculative.NgramIndex
             ratios, plain_rates, spec_rates = [], [], []
             identical = True
             drafted = accepted = emitted = seq_passes = 0
             for _ in range(args.reps):
-                a = run(plain, prompts, args.max_tokens)
-                if workload != "lookup":
+                a = run(plain, prompts, params)
+                if workload in ("oracle", "wrong"):
                     Oracle.wrong = workload == "wrong"
                     Oracle.answers = {
                         tuple(p): t for p, t in zip(prompts, a["tokens"], strict=True)
@@ -138,7 +145,7 @@ def main() -> None:
                     speculative.NgramIndex = Oracle  # type: ignore[misc]
                 before = spec.stats()
                 try:
-                    b = run(spec, prompts, args.max_tokens)
+                    b = run(spec, prompts, params)
                 finally:
                     speculative.NgramIndex = real_index  # type: ignore[misc]
                 after = spec.stats()

@@ -5,6 +5,7 @@ drafts (fewer passes), never preempting for a draft and returning every block.""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from splitserve_workers.engine import LLMEngine, SamplingParams
 from splitserve_workers.engine import grammar as G
 from splitserve_workers.engine.speculative import MAX_PAUSE, Drafter, NgramIndex
+from structured_schemas import PERSON, check_person
 
 K = 4
 
@@ -249,6 +251,52 @@ def test_penalties_and_bias_are_drafted_for_and_equal_plain_decoding(
     only = [p for p in params if p.grammar is None]
     _run(engine, _prompts(engine), only)
     assert engine.stats().accepted_tokens_total > 0
+
+
+def test_constrained_requests_draft_what_the_grammar_forces(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """Under a grammar the drafts are its forced tokens (a JSON schema's keys), else the
+    lookup's as far as the grammar allows; each draft row is masked by the grammar after the
+    drafts before it. Answers equal plain decoding's, and stay valid."""
+    schema = G.json_schema(PERSON)
+    params = [
+        SamplingParams(max_tokens=120, grammar=schema),
+        SamplingParams(max_tokens=120, grammar=schema, temperature=0.9, seed=4),
+        SamplingParams(max_tokens=40, grammar=G.regex(r"(ab|cd){2,12}x")),
+        SamplingParams(max_tokens=20, grammar=G.choice(["alpha beta gamma", "delta"])),
+        SamplingParams(max_tokens=40, ignore_eos=True),  # a free row in the same passes
+    ]
+    spec = _compare(make_engine, None, _prompts, params)
+    st = spec.stats()
+    assert 0 < st.accepted_tokens_total <= st.draft_tokens_total
+    grammar_only = make_engine(speculative_tokens=K)
+    answers = _run(grammar_only, _prompts(grammar_only)[:2], params[:2])
+    for tokens, reason, _ in answers:
+        assert reason == "stop"
+        check_person(json.loads(grammar_only.tokenizer.decode(tokens)))
+    # The schema's keys and punctuation are forced: most of them ride as accepted drafts.
+    assert grammar_only.stats().accepted_tokens_total >= 10
+
+
+def test_a_grammar_drafts_its_forced_text_and_only_what_it_allows(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    from splitserve_workers.engine.sequence import Sequence
+
+    engine = make_engine(speculative_tokens=8)
+    seq = Sequence("g", [9, 10, 11], SamplingParams(max_tokens=50))
+    seq.matcher = engine.grammars.matcher(G.lark('start: "hello world, " /[a-z]+/'))
+    forced = engine.scheduler._propose(seq, 8)
+    assert forced and "hello world, ".startswith(engine.tokenizer.decode(forced))
+    assert engine.scheduler._propose(seq, 2) == forced[:2]  # at most what may be emitted
+    # Nothing forced: the lookup's draft, cut where the grammar would refuse it.
+    free = Sequence("f", [40, 41, 42, 40, 41], SamplingParams(max_tokens=50))
+    free.matcher = engine.grammars.matcher(G.regex("[0-9]+"))
+    digit = engine.tokenizer.encode("7", add_special_tokens=False)
+    free.token_ids = digit + free.token_ids  # "7" then a draft the lookup finds: 42 40 41
+    assert Drafter(4, 1, 3).propose(free.token_ids, 4)  # what the lookup alone would draft
+    assert engine.scheduler._propose(free, 4) == []  # none of it is digits
 
 
 def test_a_draft_rows_history_holds_the_drafts_before_it() -> None:

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -353,7 +354,7 @@ class LLMEngine:
                 generators,
                 histories,
                 states,
-                _grammar_masks(sampled, logits.shape[-1]),
+                _grammar_masks(sampled, logits.shape[-1], _drafts_by_sequence(seqs, batch.drafts)),
             )
         except Exception:
             # A failed pass fails its batch, not the engine: answer and free those requests.
@@ -733,6 +734,14 @@ class LLMEngine:
         raise ValueError(f"request_id: {request_id!r} has no KV in this engine")
 
 
+def _drafts_by_sequence(
+    seqs: list[Sequence], drafts: list[list[int]] | None
+) -> dict[int, list[int]] | None:
+    if drafts is None:
+        return None
+    return {id(s): d for s, d in zip(seqs, drafts, strict=True) if d}
+
+
 def _histories(
     seqs: list[Sequence], done: list[int], rows_of: list[int], drafts: list[list[int]] | None
 ) -> tuple[list[tuple[list[int], int]], list[PenaltyState | None]]:
@@ -766,23 +775,40 @@ def _generators(seq: Sequence, rows: int) -> list[torch.Generator | None]:
     return list(gens)
 
 
-def _grammar_masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], torch.Tensor] | None:
+def _grammar_masks(
+    seqs: list[Sequence], vocab: int, drafts: dict[int, list[int]] | None = None
+) -> tuple[list[int], torch.Tensor] | None:
     """The rows of `seqs` under a grammar and llguidance's bitmask of what each may sample next
     ([rows, ceil(vocab / 32)] int32, on the host: sample() unpacks it where the logits are, so
     a GPU gets 4 bytes per 32 tokens instead of a bool per token unpacked by the CPU, which
-    costs ~0.6 ms per row at a 152k vocabulary). A row whose matcher allows nothing (it
-    failed) is left unmasked: its token is then refused and the request ends with "error",
+    costs ~0.6 ms per row at a 152k vocabulary). A drafted sequence (speculative decoding) has
+    consecutive rows, one per draft token plus one (drafts: id(sequence) -> its draft): row j's
+    mask is its grammar's after the draft's first j tokens. A row whose matcher allows nothing
+    (it failed) is left unmasked: its token is then refused and the request ends with "error",
     not the batch."""
     rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not rows:
         return None
     words = (vocab + 31) // 32
-    bitmask = torch.empty(len(rows), words, dtype=torch.int32)
-    if len(rows) == 1:
-        seqs[rows[0]].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
-    else:  # in parallel on llguidance's threads (the GIL released)
-        matchers = [(seqs[i].matcher, r) for r, i in enumerate(rows)]
-        executor().unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+    bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+    plain: list[tuple[Any, int]] = []
+    drafted: list[tuple[Any, int, list[int]]] = []
+    for r, i in enumerate(rows):
+        if i > 0 and seqs[i - 1] is seqs[i]:
+            continue  # a draft row: written with the sequence's first row
+        draft = (drafts or {}).get(id(seqs[i]))
+        if draft:
+            drafted.append((seqs[i].matcher, r, draft))
+        else:
+            plain.append((seqs[i].matcher, r))
+    if len(plain) == 1 and not drafted:
+        plain[0][0].unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+    elif plain:  # in parallel on llguidance's threads (the GIL released)
+        executor().unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, len(rows))
+    if drafted:  # each matcher advanced through its draft and rolled back by llguidance
+        executor().unsafe_compute_mask_ptr_with_draft_token(
+            drafted, bitmask.data_ptr(), words * 4, len(rows)
+        )
     keep = bitmask.ne(0).any(dim=-1).tolist()
     if not all(keep):
         rows = [i for i, ok in zip(rows, keep, strict=True) if ok]

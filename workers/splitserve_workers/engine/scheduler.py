@@ -191,10 +191,8 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens - 1,
             )
             draft: list[int] = []
-            if seq.speculable:
-                if seq.drafter is None:
-                    seq.drafter = Drafter(self.speculative_tokens, *self.ngram)
-                draft = seq.drafter.propose(seq.token_ids, limit)
+            if seq.speculable and limit > 0:
+                draft = self._propose(seq, limit)
                 room = (len(seq.block_table) + self.bm.num_free_blocks) * bs - seq.num_tokens
                 draft = draft[: max(0, room)]
                 need = self.bm.blocks_for(seq.num_tokens + len(draft)) - len(seq.block_table)
@@ -205,6 +203,21 @@ class Scheduler:
         if any(drafts):
             batch.drafts = drafts
             batch.num_new_tokens = [1 + len(d) for d in drafts]
+
+    def _propose(self, seq: Sequence, limit: int) -> list[int]:
+        if seq.drafter is None:
+            seq.drafter = Drafter(self.speculative_tokens, *self.ngram)
+        if seq.matcher is None:
+            return seq.drafter.propose(seq.token_ids, limit)
+        if seq.matcher.is_error() or seq.matcher.is_stopped():
+            return []
+        # Under a grammar: what it forces next (a JSON key, say) is as good as certain, else
+        # the lookup's draft as far as the grammar allows it.
+        forced = seq.matcher.compute_ff_tokens()
+        if forced:
+            return list(forced[:limit])
+        draft = seq.drafter.propose(seq.token_ids, limit)
+        return draft[: seq.matcher.validate_tokens(draft)] if draft else []
 
     def trim(self, seq: Sequence) -> None:
         """Frees the blocks past the one holding the sequence's last token (a speculative pass

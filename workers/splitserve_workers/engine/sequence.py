@@ -103,9 +103,8 @@ class Sequence:
 
     @property
     def speculable(self) -> bool:
-        """Drafts can be verified for it: nothing but its tokens decides its next distribution
-        (no grammar state), and it decodes here."""
-        return self.matcher is None and not self.prefill_only
+        """Drafts can be verified for it: it decodes here."""
+        return not self.prefill_only
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -13,8 +13,9 @@ same distribution as "sample from p and keep the draft if they match".
 
 It pays where the output repeats its input (editing, extraction, code, quoting a document) and
 costs one wider pass where it does not; nothing needs a second model. Penalties see each draft
-row's history with the drafts before it. Sequences under a grammar are not drafted for: the
-matcher's state would have to follow each draft and roll back.
+row's history with the drafts before it. Under a grammar the drafts are what it forces next,
+else the lookup's as far as it allows (scheduler.py), and each draft row gets the grammar's
+mask after the drafts before it (llm_engine._grammar_masks).
 """
 
 from __future__ import annotations
