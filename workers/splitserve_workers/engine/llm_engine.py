@@ -152,7 +152,6 @@ class LLMEngine:
         self._outputs: list[TokenOutput] = []  # produced outside step(): aborts, early finishes
         self._stats = IterationStats(total_blocks=self.num_kv_blocks)
         self._busy_seconds_total = 0.0
-        self._max_stop_tokens: dict[str, int] = {}
         self._draft_tokens_total = 0  # speculative decoding: drafts verified
         self._accepted_tokens_total = 0  # ... and accepted
 
