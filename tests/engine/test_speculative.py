@@ -169,14 +169,31 @@ def test_seeded_sampling_and_logprobs_equal_plain_decoding(
 def test_same_outcomes_under_batching_limits(
     make_engine: Callable[..., LLMEngine], config: dict[str, int]
 ) -> None:
-    plain = make_engine(**config)
     spec = _compare(make_engine, None, _prompts, [GREEDY] * 5, **config)
-    if "num_kv_blocks" in config:
-        # A draft takes only free blocks: it never preempts anyone a plain run would not.
-        plain_run = make_engine(**config)
-        _run(plain_run, _prompts(plain), [GREEDY] * 5)
-        assert spec.stats().preemptions_total <= plain_run.stats().preemptions_total
     assert spec.stats().accepted_tokens_total > 0
+
+
+def test_a_draft_never_causes_a_preemption(make_engine: Callable[..., LLMEngine]) -> None:
+    """Drafts take only free blocks and give back the refused ones in the same step, so when
+    a preemption happens no sequence holds a block for a draft. (The count of preemptions is
+    not comparable with plain decoding's: sequences reach block boundaries at other steps.)"""
+    engine = make_engine(speculative_tokens=K, num_kv_blocks=18, block_size=4)
+    bm, scheduler = engine.block_manager, engine.scheduler
+    preempt = scheduler.preempt
+    held: list[int] = []
+
+    def checked(seq):  # type: ignore[no-untyped-def]
+        held.extend(
+            len(s.block_table) - bm.blocks_for(s.num_tokens)
+            for s in scheduler.running
+            if len(s.block_table) > bm.blocks_for(s.num_tokens)
+        )
+        preempt(seq)
+
+    scheduler.preempt = checked  # type: ignore[method-assign]
+    _run(engine, _prompts(engine), [GREEDY] * 5)
+    assert engine.stats().preemptions_total > 0 and held == []
+    assert engine.stats().accepted_tokens_total > 0
 
 
 def test_stops_and_max_tokens_cut_inside_accepted_drafts(
