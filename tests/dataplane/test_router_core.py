@@ -756,3 +756,154 @@ def test_decode_cache_aware_counts_the_blocks_a_worker_holds_as_free() -> None:
     # A worker much fuller than the other loses its history's pull.
     pool.workers["b:1"].load.free_blocks = 90
     assert pool.pick(prompt=key) is pool.workers["a:1"]
+
+
+# ---- decode picking: claims at pick time, load by the scarcer resource ---------------------
+
+
+def big_decode_pool(**loads: dict[str, int]) -> WorkerPool:
+    """Decode workers with a large cache (131072 blocks, as `splitserve up` sizes it on this
+    machine) and 128 batch slots; `loads`: endpoint -> WorkerLoad fields to set."""
+    pool = fake_pool("decode", {e: (131072, 131072) for e in loads})
+    pool.policy = "cache_aware"
+    for endpoint, fields in loads.items():
+        load = pool.workers[endpoint].load
+        load.max_batch_size = 128
+        for name, value in fields.items():
+            setattr(load, name, value)
+    return pool
+
+
+class _SlowDecode:
+    """Accepts every reservation after a moment: requests arriving together all pick before
+    the first answer comes back, as they do in a burst."""
+
+    def __init__(self, name: str, reserved: list[str]) -> None:
+        self.name, self.reserved = name, reserved
+
+    async def Reserve(self, req: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
+        await asyncio.sleep(0.05)
+        self.reserved.append(self.name)
+        return pb.ReserveResponse(accepted=True, free_blocks=131072 - 2 * len(self.reserved))
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        return pb.AbortResponse()
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "most_free_blocks"])
+async def test_a_decode_burst_spreads_over_the_pool(policy: str) -> None:
+    # 16 requests at once: each picks its decode worker and awaits Reserve. Counted only once
+    # accepted, every pick saw the same last report and all 16 went to one worker.
+    reserved: list[str] = []
+    decode = big_decode_pool(**{"a:1": {}, "b:1": {}})
+    decode.policy = policy
+    for endpoint, worker in decode.workers.items():
+        worker.stub = _SlowDecode(endpoint, reserved)
+    prefill = fake_pool("prefill", {"p:1": (64, 64)})
+    prefill.workers["p:1"].stub = _FakePrefill("p:1", [])
+
+    async def one(i: int) -> None:
+        req = FlowRequest(f"r{i}", [5 + i] * 40, pb.SamplingParams(max_tokens=400), 0)
+        with pytest.raises(_Stop):
+            async for _ in Flow(req, FlowSettings(), prefill=prefill, decode=decode).tokens():
+                pass
+
+    await asyncio.gather(*(one(i) for i in range(16)))
+    assert sorted(reserved.count(e) for e in ("a:1", "b:1")) == [8, 8], reserved
+    # Every claim came off again (each request ended before generating).
+    for worker in decode.workers.values():
+        assert (worker.load.reserving, worker.load.pending_requests) == (0, 0)
+        assert worker.load.pending_blocks == 0
+
+
+def test_decode_picks_by_batch_slots_when_the_cache_is_not_the_limit() -> None:
+    # a runs 24 short sequences (48 blocks), b 2 long ones (1000 blocks): both caches are
+    # nearly empty, so b's larger free-block count means nothing; a's batch is 12x fuller.
+    pool = big_decode_pool(
+        **{
+            "a:1": {"running": 24, "free_blocks": 131072 - 48},
+            "b:1": {"running": 2, "free_blocks": 131072 - 1000},
+        }
+    )
+    key = pool.prompt_key(list(range(10, 96)))
+    assert pool.pick(prompt=key) is pool.workers["b:1"]
+    # Waiting sequences and this router's reservations in flight count as well.
+    b = pool.workers["b:1"].load
+    b.waiting, b.reserving = 10, 13
+    assert pool.pick(prompt=key) is pool.workers["a:1"]
+    # When the blocks are what runs out, free blocks decide again: b is 95% full.
+    b.waiting = b.reserving = 0
+    b.free_blocks = 131072 // 20
+    assert pool.pick(prompt=key) is pool.workers["a:1"]
+
+
+def test_decode_history_wins_unless_its_worker_runs_more_sequences() -> None:
+    # b holds the conversation's history (5 of its 6 blocks): the next turn goes back there
+    # while b runs no more sequences than a, and to a once b runs more.
+    pool = big_decode_pool(**{"a:1": {"running": 3}, "b:1": {"running": 3}})
+    key = pool.prompt_key(list(range(10, 96)))  # 86 tokens: 5 whole blocks
+    pool.sent(pool.workers["b:1"], key)
+    assert pool.pick(prompt=key) is pool.workers["b:1"]
+    pool.workers["b:1"].load.running = 4
+    assert pool.pick(prompt=key) is pool.workers["a:1"]
+
+
+def test_a_decode_claim_counts_until_the_worker_reports_it() -> None:
+    from splitserve_workers.router.picking import DecodeClaim
+
+    load = WorkerLoad("d:1", healthy=True, free_blocks=100, total_blocks=100)
+    # Picked: its blocks and its sequence count at once.
+    claim = DecodeClaim(load, 3)
+    assert (load.effective_free_blocks(), load.reserving, load.sequences()) == (97, 1, 1)
+    # Refused: nothing stays counted (twice is harmless).
+    claim.release()
+    claim.release()
+    assert (load.effective_free_blocks(), load.reserving, load.sequences()) == (100, 0, 0)
+    # Accepted: the answer's free blocks count it; the sequence counts while its KV travels,
+    # through reports (a decode worker's report counts reservations neither running nor
+    # waiting).
+    claim = DecodeClaim(load, 3)
+    other = DecodeClaim(load, 2)  # another request's Reserve, still out
+    claim.reserved(97)
+    assert (load.effective_free_blocks(), load.reserving) == (95, 2)
+    load.reports, load.pending_blocks, load.free_blocks = load.reports + 1, 0, 95  # a poll
+    other.reserved(95)  # its blocks were reset by the report: nothing taken off twice
+    assert (load.effective_free_blocks(), load.reserving) == (95, 2)
+    # Generating: pending until a report counts it running; off when it ends.
+    claim.generating()
+    assert (load.reserving, load.pending_requests, load.sequences()) == (1, 1, 2)
+    claim.release()
+    assert (load.reserving, load.pending_requests, load.sequences()) == (1, 0, 1)
+    other.generating()
+    load.reports, load.pending_requests, load.running = load.reports + 1, 0, 1  # a poll
+    other.release()
+    assert (load.running, load.reserving, load.sequences()) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+async def test_a_pool_whose_workers_are_down_names_the_last_failure(role: str) -> None:
+    # The pool's one worker refuses connections (killed): a new request waits for it as for an
+    # empty pool, and the 503 says what the router last saw go wrong, not only that it waited.
+    pool = WorkerPool(role, StaticDiscovery(**{role: ["127.0.0.1:1"]}), "round_robin")
+    pools: dict[str, WorkerPool] = {role: pool}
+    if role == "prefill":
+        pools["decode"] = fake_pool("decode", {"d:1": (64, 64)})
+        pools["decode"].workers["d:1"].stub = _FakeDecode(lambda: None)
+    elif role == "decode":
+        pools["prefill"] = fake_pool("prefill", {"p:1": (64, 64)})
+    try:
+        await pool.refresh()  # its Load poll is refused: out of picking
+        assert pool.pick() is None
+        req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=4), 0)
+        settings = FlowSettings(empty_pool_wait_seconds=0.2)
+        with pytest.raises(FlowError) as info:
+            async for _ in Flow(req, settings, **pools).tokens():  # type: ignore[arg-type]
+                pass
+        e = info.value
+        assert (e.status, e.code) == (503, "no_capacity"), e.message
+        assert e.message.startswith(
+            f"no {role} worker became available within 0.2s (last failure: 127.0.0.1:1: "
+            "UNAVAILABLE: "
+        ), e.message
+    finally:
+        await pool.close()

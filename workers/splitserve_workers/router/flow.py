@@ -18,7 +18,13 @@ from typing import Any
 import grpc
 
 from splitserve_workers.proto import serving_pb2
-from splitserve_workers.router.picking import PromptKey, Worker, WorkerLoad, WorkerPool
+from splitserve_workers.router.picking import (
+    DecodeClaim,
+    PromptKey,
+    Worker,
+    WorkerLoad,
+    WorkerPool,
+)
 
 log = logging.getLogger("splitserve.router")
 
@@ -233,6 +239,7 @@ class Flow:
         self.colocated = colocated
         self.stats = FlowStats()
         self._sent = 0  # tokens yielded
+        self._decode_claim: DecodeClaim | None = None  # the reservation's place on its worker
 
     def tokens(self) -> AsyncIterator[TokenChunk]:
         if self.colocated is not None:
@@ -335,11 +342,14 @@ class Flow:
         self, pool: WorkerPool, role: str, until: float | None, last_error: str = ""
     ) -> float:
         """A pool with no worker to pick: wait for its next change. `until`: this wait's
-        deadline (None: the first time, which starts it); returns it."""
+        deadline (None: the first time, which starts it); returns it. The 503 at the deadline
+        names `last_error`, this request's last failure, or else the last one the pool knows
+        of a worker still out (a refused Load poll: a new request behind a dead worker)."""
         now = time.monotonic()
         if until is None:
             until = now + self.settings.empty_pool_wait
         if until - now <= 0:
+            last_error = last_error or pool.last_failure()
             why = f" (last failure: {last_error})" if last_error else ""
             raise FlowError(
                 503,
@@ -365,13 +375,22 @@ class Flow:
             # never hold (too long for its cache or its context limit).
             incompatible = too_big = 0
             too_small: dict[str, tuple[str, str | None]] = {}  # endpoint -> (why, field)
-            while (worker := self.decode.pick(tried, key)) is not None:
+            while True:
+                worker, held = self.decode.pick_cached(tried, key)
+                if worker is None:
+                    break
                 tried.add(worker.load.endpoint)
                 if (refusal := self.req.too_big_for(worker)) is not None:
                     too_small[worker.load.endpoint] = refusal
                     last_reason = refusal[0]
                     too_big += 1
                     continue
+                # Claimed now, before the reservation's await, as the prefill pick is: the
+                # requests of a burst all pick before any Reserve returns, and unclaimed they
+                # all went to one decode worker.
+                block = self.decode.block_size()  # the one `held` is counted in
+                need = -(-(len(self.req.prompt_token_ids) + 1) // block)
+                claim = DecodeClaim(worker.load, need - min(held // block, need - 1))
                 try:
                     resp = await worker.stub.Reserve(
                         serving_pb2.ReserveRequest(
@@ -390,9 +409,11 @@ class Flow:
                     )
                 except asyncio.CancelledError:
                     # The client left while the call was out: it may have reserved anyway.
+                    claim.release()
                     _spawn(_abort(worker, worker_rid, self.settings.abort_timeout_seconds))
                     raise
                 except grpc.aio.AioRpcError as e:
+                    claim.release()
                     last_reason = f"{worker.load.endpoint}: {_rpc_reason(e)}"
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         too_big += 1
@@ -401,17 +422,20 @@ class Flow:
                         # have landed after all: give its blocks back now, not at lease end.
                         _spawn(_abort(worker, worker_rid, self.settings.abort_timeout_seconds))
                     else:
-                        self.decode.mark_failed(worker.load.endpoint)
+                        self.decode.mark_failed(worker.load.endpoint, _rpc_reason(e))
                     continue
+                except BaseException:
+                    claim.release()
+                    raise
                 if resp.accepted:
-                    worker.load.free_blocks = resp.free_blocks
-                    worker.load.pending_blocks = 0
-                    worker.load.pending_requests += 1
+                    claim.reserved(resp.free_blocks)
+                    self._decode_claim = claim
                     self.stats.decode_admission_seconds = time.monotonic() - start
                     self.stats.decode_endpoint = worker.load.endpoint
                     self.stats.decode_cached_tokens = resp.num_cached_tokens
                     self.decode.sent(worker, key)  # it holds the prompt's blocks from now on
                     return worker
+                claim.release()
                 last_reason = f"{worker.load.endpoint}: {resp.reason}"
                 worker.load.free_blocks = resp.free_blocks
                 if resp.reason == "draining":
@@ -443,6 +467,12 @@ class Flow:
                 )
             # Full everywhere: wait for the next Load poll (blocks free up as requests end).
             await self.decode.wait_for_change(min(remaining, 1.0))
+
+    def _release_decode(self) -> None:
+        """The reservation's request no longer counts on its decode worker."""
+        if self._decode_claim is not None:
+            self._decode_claim.release()
+            self._decode_claim = None
 
     async def _disaggregated(self) -> AsyncIterator[TokenChunk]:
         assert self.prefill is not None and self.decode is not None
@@ -565,14 +595,16 @@ class Flow:
                         grpc.StatusCode.INTERNAL,
                         grpc.StatusCode.UNKNOWN,
                     ):
-                        self.prefill.mark_failed(prefill.load.endpoint)
+                        self.prefill.mark_failed(prefill.load.endpoint, _rpc_reason(e))
                     _spawn(_abort(prefill, worker_rid, self.settings.abort_timeout_seconds))
                     _spawn(_abort(decode, worker_rid, self.settings.abort_timeout_seconds))
                     prefill_done = True  # nothing left to abort for this attempt
-                    decode.load.pending_requests = max(0, decode.load.pending_requests - 1)
+                    self._release_decode()
                     decode = None
             # ---- decode ----
             assert first is not None and decode is not None
+            if self._decode_claim is not None:
+                self._decode_claim.generating()
             generate_call = decode.stub.Generate(
                 serving_pb2.GenerateRequest(
                     request_id=worker_rid,
@@ -593,7 +625,7 @@ class Flow:
                     if chunk.finished:
                         return
             except grpc.aio.AioRpcError as e:
-                self.decode.mark_failed(decode.load.endpoint)
+                self.decode.mark_failed(decode.load.endpoint, _rpc_reason(e))
                 raise FlowError(
                     502, f"decode worker {decode.load.endpoint} failed mid-stream: {_rpc_reason(e)}"
                 ) from e
@@ -610,8 +642,8 @@ class Flow:
                     _spawn(_abort(prefill, worker_rid, timeout))
             if generate_call is not None and not decode_done:
                 generate_call.cancel()
+            self._release_decode()
             if decode is not None:
-                decode.load.pending_requests = max(0, decode.load.pending_requests - 1)
                 if not decode_done:
                     _spawn(_abort(decode, worker_rid, timeout))
 
@@ -694,7 +726,7 @@ class Flow:
                         done = True
                         raise refused from e
                     last_error = f"{worker.load.endpoint}: {_rpc_reason(e)}"
-                    self.colocated.mark_failed(worker.load.endpoint)
+                    self.colocated.mark_failed(worker.load.endpoint, _rpc_reason(e))
                     if got_token:
                         raise FlowError(
                             502, f"colocated worker failed mid-stream: {last_error}"

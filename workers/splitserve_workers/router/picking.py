@@ -5,7 +5,8 @@ the pool the least prompt work, counting the prefix each worker likely still cac
 (`cache_aware`, from the prompts this router sent it: `PrefixIndex`), so a conversation's next
 turn or a shared system prompt lands where its KV already is; decode goes to the most free KV
 blocks (admission is block-bound), counting the prompt's blocks a worker holds as free (they are
-shared, not allocated, and not transferred again)."""
+shared, not allocated, and not transferred again), and to the fewest sequences for the batch
+slots when the blocks are not what runs out (`decode_load`)."""
 
 from __future__ import annotations
 
@@ -73,17 +74,101 @@ class WorkerLoad:
     waiting: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    max_batch_size: int = 0  # sequences per iteration (0: not reported yet)
     # Router-side deltas since the last report.
     pending_tokens: int = 0
     pending_requests: int = 0
     pending_blocks: int = 0
     reports: int = 0  # Load reports taken so far (which report a delta was counted against)
+    # Decode: this router's requests that picked the worker and have not started generating
+    # there (Reserve in flight, or KV in transfer). A decode worker's report counts them
+    # neither running nor waiting, so a report does not reset this (DecodeClaim).
+    reserving: int = 0
 
     def effective_queued_tokens(self) -> int:
         return self.queued_tokens + self.pending_tokens
 
     def effective_free_blocks(self) -> int:
         return self.free_blocks - self.pending_blocks
+
+    def sequences(self) -> int:
+        """Sequences the worker runs, queues or is about to get, as far as this router knows."""
+        return self.running + self.waiting + self.reserving + self.pending_requests
+
+
+def decode_load(w: WorkerLoad, need_blocks: int = 0, held_blocks: int = 0) -> float:
+    """The share of a decode (or colocated) worker's scarcer resource in use once this request
+    is placed there: its batch slots (sequences over max_batch_size) or its KV blocks (the
+    prompt's blocks it holds need none). With a large cache the blocks are never what runs out,
+    and ranking by free blocks alone put a whole burst on one worker (24 sequences used 2% of a
+    131072-block cache: as free as an idle one); with a small cache, or long sequences, the
+    blocks are and it is `most_free_blocks`. The prompt's blocks the worker holds take up to
+    one sequence off its count, so a conversation's next turn goes back to the worker holding
+    its history unless that worker runs more sequences than another (or has fewer blocks by
+    more than the history, when blocks are the constraint). A resource not reported counts 0."""
+    held = min(held_blocks, need_blocks) if need_blocks else held_blocks
+    share = 0.0
+    if w.max_batch_size > 0:
+        reuse = held / need_blocks if need_blocks else (1.0 if held else 0.0)
+        share = (w.sequences() + 1 - reuse) / w.max_batch_size
+    if w.total_blocks > 0:
+        used = w.total_blocks - w.effective_free_blocks() + max(need_blocks - held, 0)
+        share = max(share, used / w.total_blocks)
+    return share
+
+
+class DecodeClaim:
+    """One request's place on the decode worker it picked, counted from the pick on: requests
+    arriving together all pick before any reservation returns, and counted only once accepted
+    they all saw the same last report and picked the same worker. Blocks (what a reservation
+    takes, less what the worker holds of the prompt) count until the worker's Reserve answer
+    or next report does; the sequence counts as `reserving` until it starts generating, then
+    as pending until a report counts it running, and it comes off when the request ends."""
+
+    def __init__(self, load: WorkerLoad, blocks: int) -> None:
+        self.load = load
+        self.blocks = max(blocks, 0)
+        self.blocks_at = load.reports
+        self.generating_at = -1
+        self.state = "reserving"  # then "generating"; "released" at the end
+        load.pending_blocks += self.blocks
+        load.reserving += 1
+
+    def _drop_blocks(self) -> None:
+        if self.blocks and self.load.reports == self.blocks_at:  # else a report reset them
+            self.load.pending_blocks = max(0, self.load.pending_blocks - self.blocks)
+        self.blocks = 0
+
+    def reserved(self, free_blocks: int) -> None:
+        """Accepted: the answer's free blocks count this reservation (and those before it)."""
+        self._drop_blocks()
+        self.load.free_blocks = free_blocks
+
+    def generating(self) -> None:
+        """Generate was called: from the worker's next report on it counts as running."""
+        if self.state != "reserving":
+            return
+        self._drop_blocks()
+        self.load.reserving = max(0, self.load.reserving - 1)
+        self.load.pending_requests += 1
+        self.generating_at = self.load.reports
+        self.state = "generating"
+
+    def release(self) -> None:
+        """Refused, failed, aborted or finished: the request no longer counts there. Safe to
+        call more than once."""
+        load = self.load
+        if self.state == "reserving":
+            self._drop_blocks()
+            load.reserving = max(0, load.reserving - 1)
+        elif self.state == "generating":
+            if load.reports == self.generating_at:
+                load.pending_requests = max(0, load.pending_requests - 1)
+            elif load.running:  # a report since counted it (running, or still waiting)
+                load.running -= 1
+            else:
+                load.waiting = max(0, load.waiting - 1)
+        self.state = "released"
 
 
 @dataclass(frozen=True)
@@ -172,10 +257,13 @@ def choose(
     rng: random.Random | None = None,
     prompt_tokens: int = 0,
     cached_tokens: dict[str, int] | None = None,
+    need_blocks: int = 0,
 ) -> WorkerLoad | None:
     """The worker to use, or None when no healthy, non-draining worker is left. Ties break by
     endpoint name so picking is deterministic. `cache_aware` needs the prompt's length and,
-    per endpoint, how many of its tokens that worker likely has cached."""
+    per endpoint, how many of its tokens that worker likely has cached; the block policies
+    take `need_blocks`, the blocks a reservation of the prompt takes (0: unknown), and for
+    `most_free_blocks_after_reuse` `cached_tokens` in blocks held."""
     candidates = [w for w in workers if w.healthy and not w.draining and w.endpoint not in exclude]
     if not candidates:
         return None
@@ -205,18 +293,18 @@ def choose(
         )
     if policy == "least_queued_tokens":
         return min(candidates, key=lambda w: (w.effective_queued_tokens(), w.pending_requests))
-    if policy == "most_free_blocks":
-        return max(candidates, key=lambda w: (w.effective_free_blocks(), -w.pending_requests))
-    if policy == "most_free_blocks_after_reuse":
-        # Decode's cache_aware (WorkerPool.pick): the most free blocks once the reservation
-        # is made, where the blocks of the prompt a worker holds need no new ones (and their
-        # KV no transfer). Without hits, most_free_blocks.
-        held = cached_tokens or {}
-        return max(
+    if policy in ("most_free_blocks", "most_free_blocks_after_reuse"):
+        # The least loaded by its scarcer resource, batch slots or KV blocks (decode_load),
+        # then the most free blocks, then the fewest sequences. `_after_reuse` is decode's
+        # cache_aware (WorkerPool.pick): the blocks of the prompt a worker holds need no new
+        # ones (and their KV no transfer). Without hits, most_free_blocks.
+        held = (cached_tokens or {}) if policy == "most_free_blocks_after_reuse" else {}
+        return min(
             candidates,
             key=lambda w: (
-                w.effective_free_blocks() + held.get(w.endpoint, 0),
-                -w.pending_requests,
+                decode_load(w, need_blocks, held.get(w.endpoint, 0)),
+                -(w.effective_free_blocks() + held.get(w.endpoint, 0)),
+                w.sequences(),
             ),
         )
     if policy == "least_loaded":
@@ -243,6 +331,9 @@ class Worker:
     model: serving_pb2.ModelSpec = field(default_factory=serving_pb2.ModelSpec)
     last_report: float = 0.0
     late_polls: int = 0  # Load polls in a row that ran past their deadline
+    # Why it is out of picking (its last failed Load poll or call), until a poll succeeds.
+    last_error: str = ""
+    last_error_at: float = 0.0
 
 
 _STUBS = {
@@ -344,8 +435,11 @@ class WorkerPool:
             if worker.load.healthy:
                 self.prefixes.forget(worker.load.endpoint)  # may come back restarted
             worker.load.healthy = False
+            worker.last_error = f"{e.code().name}: {e.details() or ''}".strip()
+            worker.last_error_at = time.monotonic()
             return
         worker.late_polls = 0
+        worker.last_error = ""
         load = worker.load
         load.healthy = True
         load.draining = report.draining
@@ -354,7 +448,9 @@ class WorkerPool:
         load.waiting = report.waiting
         load.free_blocks = report.free_blocks
         load.total_blocks = report.total_blocks
-        # The report now includes what this router sent before the poll started.
+        load.max_batch_size = report.max_batch_size
+        # The report now includes what this router sent before the poll started (but for
+        # `reserving`: reservations are in no report's running or waiting).
         load.pending_tokens = load.pending_requests = load.pending_blocks = 0
         load.reports += 1
         worker.model = report.model
@@ -387,14 +483,23 @@ class WorkerPool:
         rest. One walk of the prefix index for both."""
         self._counter += 1
         loads = [w.load for w in self.workers.values()]
+        block = self.block_size()
+        # What a reservation of the prompt takes: its tokens and the first generated one.
+        need = -(-(prompt.tokens + 1) // block) if prompt is not None and prompt.tokens else 0
         if self.policy != "cache_aware" or prompt is None:
-            load = choose(loads, self.policy, exclude, self._counter)
+            load = choose(loads, self.policy, exclude, self._counter, need_blocks=need)
             return (None if load is None else self.workers[load.endpoint]), 0
         matched = self.prefixes.matched_blocks(prompt.hashes)
-        block = self.block_size()
         if self.role == "decode":
             load = choose(
-                loads, "most_free_blocks_after_reuse", exclude, self._counter, None, 0, matched
+                loads,
+                "most_free_blocks_after_reuse",
+                exclude,
+                self._counter,
+                None,
+                0,
+                matched,
+                need_blocks=need,
             )
         else:
             cached = {e: n * block for e, n in matched.items()}
@@ -423,12 +528,24 @@ class WorkerPool:
                 return int(worker.model.block_size)
         return DEFAULT_BLOCK_SIZE
 
-    def mark_failed(self, endpoint: str) -> None:
+    def mark_failed(self, endpoint: str, reason: str = "") -> None:
         """A call to this worker failed: stop picking it until a Load poll succeeds again."""
         worker = self.workers.get(endpoint)
         if worker is not None:
             worker.load.healthy = False
             self.prefixes.forget(endpoint)
+            if reason:
+                worker.last_error, worker.last_error_at = reason, time.monotonic()
+
+    def last_failure(self) -> str:
+        """The most recent failure of a worker still out of picking, as "endpoint: why" (its
+        Load poll refused, say), or "" when none is known: what a request that finds no worker
+        to pick tells its client."""
+        failed = [w for w in self.workers.values() if not w.load.healthy and w.last_error]
+        if not failed:
+            return ""
+        worker = max(failed, key=lambda w: w.last_error_at)
+        return f"{worker.load.endpoint}: {worker.last_error}"
 
     async def wait_for_change(self, timeout: float) -> None:
         """Sleeps until the next poll lands (or `timeout`), for callers waiting for capacity."""
@@ -449,6 +566,9 @@ class WorkerPool:
                 "total_blocks": w.load.total_blocks,
                 "running": w.load.running,
                 "waiting": w.load.waiting,
+                "pending_requests": w.load.pending_requests,
+                "reserving": w.load.reserving,
+                "max_batch_size": w.load.max_batch_size,
             }
             for w in sorted(self.workers.values(), key=lambda w: w.load.endpoint)
         ]
