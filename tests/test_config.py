@@ -29,6 +29,8 @@ def test_defaults_round_trip_through_yaml() -> None:
         ({"decode": {"max_batch_size": "big"}}, "decode.max_batch_size"),
         ({"decode": {"max_batch_size": 0}}, "decode.max_batch_size"),
         ({"decode": {"block_size": True}}, "decode.block_size"),
+        ({"decode": {"speculative_tokens": -1}}, "decode.speculative_tokens"),
+        ({"decode": {"speculative_tokens": 17}}, "decode.speculative_tokens"),
         ({"decode": {"kv_cache_memory_bytes": 0}}, "decode.kv_cache_memory_bytes"),
         ({"prefill": {"kv_cache_memory_bytes": -1}}, "prefill.kv_cache_memory_bytes"),
         ({"prefill": {"max_batch_tokens": 0}}, "prefill.max_batch_tokens"),

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve_workers.engine.config import MAX_SPECULATIVE_TOKENS
+
 from .autoscaler import RatioBounds, Targets, unreachable_ratio
 
 # spec.router.toolCallParser (the router's tool_parsers.PARSERS plus auto and none; a test
@@ -249,6 +251,11 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
         settings["maxBatchSize"] = _int(data, "maxBatchSize", 128, path, minimum=1)
         settings["blockSize"] = _int(data, "blockSize", 16, path, minimum=1)
         settings["speculativeTokens"] = _int(data, "speculativeTokens", 0, path)
+        if settings["speculativeTokens"] > MAX_SPECULATIVE_TOKENS:  # objects before the schema's
+            raise SpecError(
+                f"{path}.speculativeTokens: {settings['speculativeTokens']} is above the "
+                f"maximum {MAX_SPECULATIVE_TOKENS}"
+            )
     if name != "router" and "kvCacheMemory" in data:
         kv_bytes = parse_quantity(data["kvCacheMemory"], f"{path}.kvCacheMemory")
         if kv_bytes < 1:

@@ -126,3 +126,19 @@ def test_prefix_cache_hits_and_kv_transfer_past_the_window(
     (out,) = run(prefill)
     decode = LLMEngine(EngineConfig(model=d, device="cpu", block_size=4))
     assert decode_on(decode, "r1", a, out.token_id, collector.chunks, params) == expected[0]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_speculative_decoding_past_the_window_equals_plain(
+    windowed_models: dict[str, Path], variant: str
+) -> None:
+    """A speculative pass (the last token and its drafts as one chunk) masks the window as a
+    one-token step does."""
+    from test_speculative import GREEDY, _prompts, _run
+
+    d = str(windowed_models[variant])
+    plain = LLMEngine(EngineConfig(model=d, device="cpu", block_size=4))
+    spec = LLMEngine(EngineConfig(model=d, device="cpu", block_size=4, speculative_tokens=4))
+    prompts = _prompts(plain)
+    assert _run(spec, prompts, [GREEDY] * 5) == _run(plain, prompts, [GREEDY] * 5)
+    assert spec.stats().accepted_tokens_total > 0

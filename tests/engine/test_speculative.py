@@ -323,11 +323,18 @@ def test_a_draft_rows_history_holds_the_drafts_before_it() -> None:
     a = Sequence("a", [1, 2, 3], SamplingParams(frequency_penalty=1.0))
     b = Sequence("b", [7, 8], SamplingParams())
     a.token_ids.append(4)
-    histories, states = _histories([a, b], [0, 1], [3, 1], [[5, 6], []])
+    histories, states = _histories([a, b], [0, 1], [3, 1], [[5, 6], []], torch.zeros(4, 16))
     assert histories == [([1, 2, 3, 4], 3), ([1, 2, 3, 4, 5], 3), ([1, 2, 3, 4, 5, 6], 3),
                          ([7, 8], 2)]  # fmt: skip
-    # A sequence's kept statistics serve its first row; draft rows get their own.
-    assert states == [a.penalty_state, None, None, b.penalty_state]
+    # A sequence's kept statistics serve its first row; each draft row gets its own copy with
+    # the drafts before it counted, and the sequence's own statistics are left as they were.
+    assert states[0] is a.penalty_state and states[3] is b.penalty_state
+    first, second = states[1], states[2]
+    assert first is not None and second is not None and first is not second
+    assert (a.penalty_state.num_tokens, first.num_tokens, second.num_tokens) == (4, 5, 6)
+    counts = dict(zip(second.out_ids.tolist(), second.out_counts.tolist(), strict=True))
+    assert counts == {4: 1.0, 5: 1.0, 6: 1.0}
+    assert a.penalty_state.out_ids.tolist() == [4] and first.out_ids.tolist() == [4, 5]
 
 
 def test_kv_handoff_then_speculative_decode_equals_local(
@@ -365,3 +372,33 @@ def _drain(engine: LLMEngine) -> list:  # type: ignore[type-arg]
     while engine.has_unfinished():
         outs += engine.step()
     return outs
+
+
+def test_forced_drafts_are_at_most_k_tokens(make_engine: Callable[..., LLMEngine]) -> None:
+    from splitserve_workers.engine.sequence import Sequence
+
+    engine = make_engine(speculative_tokens=2)
+    seq = Sequence("g", [9, 10, 11], SamplingParams(max_tokens=50))
+    seq.matcher = engine.grammars.matcher(G.lark('start: "hello world, " /[a-z]+/'))
+    assert len(engine.scheduler._propose(seq, 40)) == 2
+
+
+def test_refused_drafts_do_not_evict_cached_prefixes(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    """A draft's block comes from the free list and goes back when refused: it must not take
+    the place of a cached prefix that plain decoding would have kept."""
+
+    def hits(speculative: int) -> int:
+        engine = make_engine(num_kv_blocks=64, block_size=4, speculative_tokens=speculative)
+        cached = prompt_ids(engine, 60)
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        _run(engine, [cached], [one])
+        # 47 of the 48 blocks never used: plain decoding leaves the cached prompt's 15 alone.
+        _run(
+            engine, [_repetitive(engine, 20, 2)], [SamplingParams(max_tokens=168, ignore_eos=True)]
+        )
+        engine.add_request("again", cached, one)
+        return next(o.num_cached_tokens for o in _drain(engine) if o.finished)
+
+    assert hits(K) == hits(0) == 56

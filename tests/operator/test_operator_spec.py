@@ -74,6 +74,7 @@ def test_quantities(value: object, count: int) -> None:
         ("prefill.replicas", -1, "spec.prefill.replicas"),
         ("decode.replicas", "two", "spec.decode.replicas"),
         ("decode.maxBatchSize", 0, "spec.decode.maxBatchSize"),
+        ("decode.speculativeTokens", 17, "spec.decode.speculativeTokens"),
         ("slo.percentile", 150, "spec.slo.percentile"),
         ("slo.percentile", 0, "spec.slo.percentile"),
         ("autoscaling.mode", "Sometimes", "spec.autoscaling.mode"),

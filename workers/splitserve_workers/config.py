@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from splitserve_workers.engine.config import MAX_SPECULATIVE_TOKENS
+
 CONFIG_PATH_IN_POD = "/etc/splitserve/config.yaml"
 
 
@@ -105,6 +107,11 @@ class ServingConfig:
         if self.model.max_model_len is not None:
             checks.append(("model.max_model_len", self.model.max_model_len, 1))
         checks.append(("decode.speculative_tokens", self.decode.speculative_tokens, 0))
+        if self.decode.speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"decode.speculative_tokens: {self.decode.speculative_tokens} is above the "
+                f"maximum {MAX_SPECULATIVE_TOKENS}"
+            )
         for name, value, minimum in checks:
             if value < minimum:
                 raise ConfigError(f"{name}: {value} is below the minimum {minimum}")

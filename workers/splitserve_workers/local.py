@@ -884,6 +884,8 @@ async def _watch(
 
 async def _restart(stack: LocalStack, child: Child, max_restarts: int) -> bool:
     """Starts an exited child again; False (said why) when it should not or did not."""
+    if child.retiring:  # the autoscaler retired it meanwhile: nothing to bring back
+        return True
     now = time.monotonic()
     recent = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
     why = f"{child.name} exited with {child.proc.returncode}"

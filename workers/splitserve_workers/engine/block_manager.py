@@ -2,9 +2,10 @@
 
 A full block is keyed by a chained hash (hash of the previous block's key and its own token
 ids); a later request whose prompt starts with the same blocks shares them (ref count + 1).
-Freed blocks keep their key and sit in an LRU free list until reallocated, so cached blocks
-count as free: after any mix of requests the free count returns to the total. scheduler.py and
-llm_engine.py (reservations) are the callers; the KV tensors themselves live in model_runner.py.
+Freed blocks keep their key and sit in an LRU free list until reallocated (blocks with no key,
+which nothing can reuse, are reallocated first), so cached blocks count as free: after any mix
+of requests the free count returns to the total. scheduler.py and llm_engine.py
+(reservations) are the callers; the KV tensors themselves live in model_runner.py.
 """
 
 from __future__ import annotations
@@ -36,22 +37,27 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Insertion-ordered dict as an LRU free list: allocation takes the oldest freed block.
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # Free blocks that hold nothing reusable (never published: a finished sequence's
+        # partial last block, a refused speculative draft's): allocation takes these first.
+        self._blank: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # Free blocks still published in the prefix cache, as an LRU (insertion-ordered dict):
+        # allocation evicts the oldest only when no blank block is left.
+        self._free: dict[int, None] = {}
         self._by_hash: dict[int, int] = {}
         self.prefix_cache_hits_total = 0  # blocks
         self.prefix_cache_queries_total = 0  # blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._blank) + len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _take_free(self) -> int:
-        block_id = next(iter(self._free))
-        del self._free[block_id]
+        pool = self._blank or self._free
+        block_id = next(iter(pool))
+        del pool[block_id]
         block = self.blocks[block_id]
         if block.hash is not None:  # evict its prefix-cache entry
             if self._by_hash.get(block.hash) == block_id:
@@ -62,8 +68,8 @@ class BlockManager:
         return block_id
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"need {n} KV blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {n} KV blocks, {self.num_free_blocks} free")
         return [self._take_free() for _ in range(n)]
 
     def free(self, block_ids: SequenceT[int]) -> None:
@@ -74,7 +80,7 @@ class BlockManager:
                 raise RuntimeError(f"KV block {block_id} freed twice")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block_id] = None
+                (self._blank if block.hash is None else self._free)[block_id] = None
 
     def match_prefix(
         self, token_ids: SequenceT[int], max_blocks: int
@@ -113,7 +119,7 @@ class BlockManager:
         hits, hashes = self.match_prefix(token_ids, max_full)
         need = self.blocks_for(num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if need + revived + reserve_free > len(self._free):
+        if need + revived + reserve_free > self.num_free_blocks:
             return None
         for b in hits:
             block = self.blocks[b]

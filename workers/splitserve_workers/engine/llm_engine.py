@@ -52,6 +52,7 @@ from splitserve_workers.engine.sequence import (
     SequenceStatus,
     TokenOutput,
 )
+from splitserve_workers.engine.speculative import Drafter
 from splitserve_workers.engine.tokenizer import Tokenizer, prompt_context
 
 log = logging.getLogger(__name__)
@@ -227,6 +228,15 @@ class LLMEngine:
             seq.on_kv = _guard(seq, on_kv)
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device)
+        c = self.config
+        if c.speculative_tokens and not prefill_only:
+            # The prompt's n-grams indexed here, on the caller's thread and without the engine
+            # lock (~100 ms for 8k tokens in Python), not in a decode pass that every running
+            # sequence waits for; the step loop then indexes only the new tokens.
+            seq.drafter = Drafter(
+                c.speculative_tokens, c.speculative_ngram_min, c.speculative_ngram_max
+            )
+            seq.drafter.index.propose(prompt_token_ids, 0)
         if params.grammar is not None:
             try:  # compiled here, on the caller's thread, not in the step loop
                 seq.matcher = self.grammars.matcher(params.grammar)
@@ -345,7 +355,7 @@ class LLMEngine:
             # Token histories only for a batch with penalties (built every step otherwise).
             penalized = any(p.adjusts_logits for p in params)
             histories, states = (
-                _histories(seqs, done, rows_of, batch.drafts) if penalized else (None, None)
+                _histories(seqs, done, rows_of, batch.drafts, logits) if penalized else (None, None)
             )
             tokens, logprobs, tops = sample(
                 logits,
@@ -742,21 +752,33 @@ def _drafts_by_sequence(
 
 
 def _histories(
-    seqs: list[Sequence], done: list[int], rows_of: list[int], drafts: list[list[int]] | None
+    seqs: list[Sequence],
+    done: list[int],
+    rows_of: list[int],
+    drafts: list[list[int]] | None,
+    logits: torch.Tensor,
 ) -> tuple[list[tuple[list[int], int]], list[PenaltyState | None]]:
     """Each sampled row's token history and penalty statistics: a sequence's own for its first
     row; for its draft rows its tokens plus the drafts before that row (what the history is if
-    they are accepted), with statistics built for the row alone."""
+    they are accepted), with the statistics of the row before plus that one draft token (a
+    copy, not a rebuild from the whole history)."""
+    vocab, device = logits.shape[-1], logits.device
     histories: list[tuple[list[int], int]] = []
     states: list[PenaltyState | None] = []
     for i, n in zip(done, rows_of, strict=True):
         seq = seqs[i]
-        histories.append((seq.token_ids, seq.num_prompt_tokens))
-        states.append(seq.penalty_state)
+        history, num_prompt, state = seq.token_ids, seq.num_prompt_tokens, seq.penalty_state
+        histories.append((history, num_prompt))
+        states.append(state)
+        if n > 1 and seq.params.adjusts_logits:
+            state.update(history, num_prompt, vocab, device)
         for j in range(1, n):
             assert drafts is not None
-            histories.append((seq.token_ids + drafts[i][:j], seq.num_prompt_tokens))
-            states.append(None)
+            history = history + drafts[i][j - 1 : j]
+            if seq.params.adjusts_logits:
+                state = state.copy().update(history, num_prompt, vocab, device)
+            histories.append((history, num_prompt))
+            states.append(state)
     return histories, states
 
 

@@ -168,6 +168,16 @@ class PenaltyState:
         self._slot: dict[int, int] = {}  # token id -> its index in out_ids / out_counts
         self.num_tokens = 0
 
+    def copy(self) -> PenaltyState:
+        """An independent copy (a speculative draft row's statistics: the sequence's plus the
+        drafts before that row), costing the vocabulary bitmap, not the whole history."""
+        out = PenaltyState()
+        out.seen, out.seen_ids = self.seen.clone(), self.seen_ids.clone()
+        out.out_ids, out.out_counts = self.out_ids.clone(), self.out_counts.clone()
+        out._slot = dict(self._slot)
+        out.num_tokens = self.num_tokens
+        return out
+
     def update(
         self, token_ids: Sequence[int], num_prompt: int, vocab: int, device: torch.device
     ) -> PenaltyState:

@@ -215,7 +215,7 @@ class Scheduler:
         # the lookup's draft as far as the grammar allows it.
         forced = seq.matcher.compute_ff_tokens()
         if forced:
-            return list(forced[:limit])
+            return list(forced[: min(limit, self.speculative_tokens)])
         draft = seq.drafter.propose(seq.token_ids, limit)
         return draft[: seq.matcher.validate_tokens(draft)] if draft else []
 

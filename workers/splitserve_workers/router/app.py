@@ -157,6 +157,11 @@ def unsupported_coding(coding: str) -> api.APIError:
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+def _request_id(kind: str) -> str:
+    """A generation request's id (the answer's `id`, `X-Request-Id`, the request log's)."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
 def _needs_key(path: str) -> bool:
     """The API (and the debug view) need a key when keys are configured; the probes and
     /metrics (the kubelet and Prometheus call them, inside the cluster) do not."""
@@ -257,12 +262,14 @@ class Router:
                 "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
+            headers = {"WWW-Authenticate": "Bearer"}
             if self.options.log_requests and request.path in GENERATION_PATHS:
-                # Refused before any work, but an operator auditing the log wants to see it.
-                prefix = "chatcmpl-" if "chat" in request.path else "cmpl-"
-                rid = prefix + uuid.uuid4().hex
+                # Refused before any work, but an operator auditing the log wants to see it;
+                # the client gets the id it is logged under, as for any other answer.
+                kind = "chat" if request.path == "/v1/chat/completions" else "completion"
+                headers["X-Request-Id"] = rid = _request_id(kind)
                 log_request(rid, request.path, "rejected", time.monotonic(), None, err)
-            return web.json_response(err.body(), status=401, headers={"WWW-Authenticate": "Bearer"})
+            return web.json_response(err.body(), status=401, headers=headers)
         try:
             return await handler(request)
         except api.APIError as e:
@@ -543,7 +550,7 @@ class Router:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         arrival = time.monotonic()
         status = "rejected"
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        rid = _request_id(kind)
         answer: _Answer | None = None
         error: api.APIError | None = None
         self.in_flight += 1
@@ -1213,7 +1220,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "local mode's autoscaler rewrites it)",
     )
     parser.add_argument("--prefill-policy", choices=PREFILL_POLICIES)
-    parser.add_argument("--decode-policy", choices=DECODE_POLICIES)
+    parser.add_argument(
+        "--decode-policy",
+        choices=DECODE_POLICIES,
+        help="cache_aware (default) and most_free_blocks both pick the decode worker with the "
+        "smallest share in use of its scarcer resource, batch slots or KV blocks; cache_aware "
+        "counts the prompt's blocks a worker holds as free",
+    )
     parser.add_argument("--colocated-policy", default="cache_aware", choices=COLOCATED_POLICIES)
     parser.add_argument(
         "--api-key-file",
