@@ -5,7 +5,12 @@
 #
 # Usage (from a clone):   bash bench/gpu_engine.sh            # writes bench/results/gpu_engine.json
 # Environment knobs:      MODE=auto|files|synthetic  PROMPT_LEN=1024  DECODE_PROMPT=512
-#                         DECODE_STEPS=128  PREFILL_BATCH=8  PYTHON=python3
+#                         DECODE_STEPS=128  PREFILL_BATCH=8  SPEC_TOKENS=4  PYTHON=python3
+#                         OUT=path  SMOKE=1 (a tiny model on the CPU: checks the script itself,
+#                         as the tests do, so it does not rot between GPU runs; no numbers)
+# Files mode also measures speculative decoding (engine/speculative.py, SPEC_TOKENS drafts) at
+# batch 1: how much a verify pass of 1 + k rows costs against a plain step (on a GPU at batch 1
+# both are bound by reading the weights, so nearly the same), and the effective TPOT.
 #
 # Needs: Python >= 3.11, torch with CUDA. Installs nothing. MODE=files (the default when
 # importable) also needs safetensors, tokenizers, jinja2 and tqdm: it writes the llama-8b
@@ -29,23 +34,37 @@ from pathlib import Path
 
 import torch
 
-assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-dev = torch.device("cuda")
-bf16 = torch.bfloat16
 env = os.environ.get
+SMOKE = env("SMOKE") == "1"
+assert SMOKE or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+dev = torch.device("cpu" if SMOKE else "cuda")
+bf16 = torch.bfloat16
 MODE = env("MODE", "auto")
-PROMPT_LEN = int(env("PROMPT_LEN", "1024"))
-DECODE_PROMPT = int(env("DECODE_PROMPT", "512"))
-DECODE_STEPS = int(env("DECODE_STEPS", "128"))
-PREFILL_BATCH = int(env("PREFILL_BATCH", "8"))
+PROMPT_LEN = int(env("PROMPT_LEN", "32" if SMOKE else "1024"))
+DECODE_PROMPT = int(env("DECODE_PROMPT", "24" if SMOKE else "512"))
+DECODE_STEPS = int(env("DECODE_STEPS", "8" if SMOKE else "128"))
+PREFILL_BATCH = int(env("PREFILL_BATCH", "2" if SMOKE else "8"))
+SPEC_TOKENS = int(env("SPEC_TOKENS", "4"))
+OUT = Path(env("OUT", "bench/results/gpu_engine.json"))
 if MODE == "auto":
     have = all(importlib.util.find_spec(m) for m in ("safetensors", "tokenizers", "jinja2", "tqdm"))
     MODE = "files" if have else "synthetic"
-print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  mode {MODE}")
+DEVICE_NAME = "cpu (smoke run)" if SMOKE else torch.cuda.get_device_name()
+print(f"device: {DEVICE_NAME}  torch {torch.__version__}  mode {MODE}")
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def cuda_seconds(fn, iters):
     fn()
+    if dev.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t) / iters
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -57,18 +76,19 @@ def cuda_seconds(fn, iters):
 
 
 # ---- device ceilings -------------------------------------------------------------------------
-a = torch.empty(1 << 31, dtype=torch.uint8, device=dev)  # 2 GiB
+a = torch.empty(1 << (23 if SMOKE else 31), dtype=torch.uint8, device=dev)  # 2 GiB
 b = torch.empty_like(a)
 copy_s = cuda_seconds(lambda: b.copy_(a), 20)
 bandwidth = 2 * a.numel() / copy_s  # bytes read + written per second
 del a, b
-m = 8192
+m = 256 if SMOKE else 8192
 x = torch.randn(m, m, dtype=bf16, device=dev)
 y = torch.randn(m, m, dtype=bf16, device=dev)
 mm_s = cuda_seconds(lambda: x @ y, 20)
 matmul_flops = 2 * m**3 / mm_s
 del x, y
-torch.cuda.empty_cache()
+if dev.type == "cuda":
+    torch.cuda.empty_cache()
 print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul_flops / 1e12:.0f} TFLOP/s")
 
 # ---- the model -------------------------------------------------------------------------------
@@ -82,48 +102,57 @@ LLAMA_8B = {
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 }
-MAX_LEN = 8192
+if SMOKE:  # the tiny-llama preset's shape
+    LLAMA_8B |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+MAX_LEN = 512 if SMOKE else 8192
+PRESET = "tiny-llama" if SMOKE else "llama-8b"
 g = torch.Generator().manual_seed(0)
 
 
 def prompt(n):
-    return torch.randint(4, 128000, (n,), generator=g).tolist()
+    return torch.randint(4, LLAMA_8B["vocab_size"] - 1, (n,), generator=g).tolist()
 
 
 if MODE == "files":
     from splitserve_workers.engine import EngineConfig, LLMEngine, SamplingParams
     from splitserve_workers.engine.make_model import write_model
 
-    model_dir = Path(".models/llama-8b")
+    model_dir = Path(env("MODELS_DIR", ".models")) / PRESET
     if not (model_dir / "config.json").exists():
         t = time.perf_counter()
-        write_model("llama-8b", model_dir, dtype="bfloat16", device="cuda")
+        write_model(PRESET, model_dir, dtype="bfloat16", device=dev.type)
         print(f"wrote {model_dir} in {time.perf_counter() - t:.0f}s")
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(
-        model=str(model_dir), dtype="bfloat16", device="cuda", max_model_len=MAX_LEN,
-        kv_cache_memory_bytes=24 << 30, max_batch_size=64,
+        model=str(model_dir), dtype="bfloat16", device=dev.type, max_model_len=MAX_LEN,
+        kv_cache_memory_bytes=(64 << 20) if SMOKE else (24 << 30), max_batch_size=64,
         max_batch_tokens=PREFILL_BATCH * PROMPT_LEN, enable_prefix_caching=False,
     ))
     load_s = time.perf_counter() - t
     model, cfg = engine.model, engine.model_config
     print(f"loaded in {load_s:.0f}s, {engine.num_kv_blocks} KV blocks")
 
-    def decode_tpot():
+    def decode_tpot(speculative=0):
+        """Seconds of each decode step at batch 1 (and the tokens each emitted), with
+        `speculative` draft tokens (the same engine with its scheduler drafting)."""
+        engine.scheduler.speculative_tokens = speculative
         engine.add_request("tpot", prompt(DECODE_PROMPT),
                            SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True))
         engine.step()  # prefill + first token
-        times = []
+        times, emitted = [], []
         while engine.has_unfinished():
             t = time.perf_counter()
-            engine.step()  # sampling reads the token on the host: the step has finished
+            outs = engine.step()  # sampling reads the token on the host: the step has finished
             times.append(time.perf_counter() - t)
-        return times
+            emitted.append(sum(o.token_id is not None for o in outs))
+        engine.scheduler.speculative_tokens = 0
+        return times if not speculative else (times, emitted)
 
     def prefill_seconds():
         for i in range(PREFILL_BATCH):
             engine.add_request(f"p{i}", prompt(PROMPT_LEN), SamplingParams(max_tokens=1))
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
@@ -151,7 +180,7 @@ else:
     load_s = time.perf_counter() - t
     block_size = 16
     per_block = block_size * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-    num_blocks = (24 << 30) // per_block
+    num_blocks = ((64 << 20) if SMOKE else (24 << 30)) // per_block
     runner = ModelRunner(model, cfg, bf16, dev, num_blocks, block_size)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
 
@@ -162,7 +191,7 @@ else:
 
     def decode_tpot():
         seq = new_seq("tpot", DECODE_PROMPT, DECODE_STEPS + 1)
-        logits, _ = runner.run_prefill([seq], [DECODE_PROMPT])
+        logits, _, _ = runner.run_prefill([seq], [DECODE_PROMPT])
         seq.num_computed_tokens = DECODE_PROMPT
         seq.token_ids.append(int(logits.argmax(-1)[0]))
         times = []
@@ -177,9 +206,9 @@ else:
 
     def prefill_seconds():
         seqs = [new_seq(f"p{i}", PROMPT_LEN, 1) for i in range(PREFILL_BATCH)]
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
-        logits, _ = runner.run_prefill(seqs, [PROMPT_LEN] * PREFILL_BATCH)
+        logits, _, _ = runner.run_prefill(seqs, [PROMPT_LEN] * PREFILL_BATCH)
         logits.argmax(-1).tolist()
         elapsed = time.perf_counter() - t
         for s in seqs:
@@ -208,8 +237,27 @@ flops += L * PREFILL_BATCH * 2 * cfg.num_heads * cfg.head_dim * PROMPT_LEN**2  #
 flops += 2 * h * cfg.vocab_size * PREFILL_BATCH  # logits of the last tokens only
 achieved = flops / prefill_s
 
+speculative = None
+if MODE == "files" and SPEC_TOKENS:
+    before = engine.stats()
+    spec_times, spec_emitted = decode_tpot(SPEC_TOKENS)
+    after = engine.stats()
+    drafted = after.draft_tokens_total - before.draft_tokens_total
+    accepted = after.accepted_tokens_total - before.accepted_tokens_total
+    wide = [t for t, n in zip(spec_times, spec_emitted) if n > 1]  # passes that accepted drafts
+    speculative = {
+        "draft_tokens": SPEC_TOKENS,
+        "effective_tpot_ms": sum(spec_times) / max(1, sum(spec_emitted)) * 1e3,
+        "plain_tpot_ms": tpot * 1e3,
+        "speedup": tpot / (sum(spec_times) / max(1, sum(spec_emitted))),
+        "acceptance": accepted / drafted if drafted else None,
+        # What one pass of 1 + k rows costs against a plain step (the GPU's case for drafting).
+        "accepting_pass_over_plain_step": statistics.median(wide) / tpot if wide else None,
+        "note": "random weights: the lookup finds the model's own loops, so acceptance flatters",
+    }
+
 result = {
-    "device": torch.cuda.get_device_name(), "torch": torch.__version__, "mode": MODE,
+    "device": DEVICE_NAME, "torch": torch.__version__, "mode": MODE,
     "model": "llama-8b shape, random bf16 weights", "params": sum(p.numel() for p in params.values()),
     "load_seconds": round(load_s, 1),
     "copy_bandwidth_bytes_per_s": bandwidth, "bf16_matmul_flops_per_s": matmul_flops,
@@ -224,13 +272,18 @@ result = {
         "tokens_per_s": tokens / prefill_s, "achieved_flops_per_s": achieved,
         "fraction_of_measured_matmul_rate": achieved / matmul_flops,
     },
+    "speculative": speculative,
 }
-out = Path("bench/results/gpu_engine.json")
+out = OUT
+out.parent.mkdir(parents=True, exist_ok=True)
 out.write_text(json.dumps(result, indent=2) + "\n")
 d, p = result["decode"], result["prefill"]
 print(f"decode  batch 1: TPOT {d['tpot_ms_median']:.2f} ms (floor {d['floor_ms']:.2f} ms, "
       f"{d['tpot_over_floor']:.2f}x)")
 print(f"prefill {PREFILL_BATCH}x{PROMPT_LEN}: {p['tokens_per_s']:.0f} tokens/s, "
       f"{achieved / 1e12:.0f} TFLOP/s = {p['fraction_of_measured_matmul_rate']:.0%} of matmul rate")
+if speculative:
+    print(f"speculative, {SPEC_TOKENS} drafts, batch 1: effective TPOT "
+          f"{speculative['effective_tpot_ms']:.2f} ms ({speculative['speedup']:.2f}x plain)")
 print(f"wrote {out}")
 PY
