@@ -128,14 +128,17 @@ if MODE == "files":
         model=str(model_dir), dtype="bfloat16", device=dev.type, max_model_len=MAX_LEN,
         kv_cache_memory_bytes=(64 << 20) if SMOKE else (24 << 30), max_batch_size=64,
         max_batch_tokens=PREFILL_BATCH * PROMPT_LEN, enable_prefix_caching=False,
+        speculative_tokens=SPEC_TOKENS,  # drafting is switched on only where measured
     ))
+    engine.scheduler.speculative_tokens = 0
     load_s = time.perf_counter() - t
     model, cfg = engine.model, engine.model_config
     print(f"loaded in {load_s:.0f}s, {engine.num_kv_blocks} KV blocks")
 
     def decode_tpot(speculative=0):
         """Seconds of each decode step at batch 1 (and the tokens each emitted), with
-        `speculative` draft tokens (the same engine with its scheduler drafting)."""
+        `speculative` draft tokens (the same engine with its scheduler drafting; each request
+        has its drafter either way, built when it is added)."""
         engine.scheduler.speculative_tokens = speculative
         engine.add_request("tpot", prompt(DECODE_PROMPT),
                            SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True))

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_local_up import env_with, up_cmd
+from test_local_up import start_up
 
 pytestmark = pytest.mark.slow
 
@@ -59,39 +59,14 @@ class Output:
 
 
 def test_up_autoscale_adds_and_retires_a_decode_worker(tiny_model: Path, tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        up_cmd(
-            "--model",
-            str(tiny_model),
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--log-dir",
-            str(tmp_path),
-            "--autoscale",
-            "--max-decode",
-            "2",
-            "--max-prefill",
-            "2",
-            # Prefill's own signals never ask for more here; this bound does.
-            "--min-prefill-per-decode",
-            "1",
-            # Any measured TPOT breaks a 0.1 ms objective, so load always asks for more decode.
-            "--slo-tpot",
-            "100us",
-            "--slo-ttft",
-            "60s",
-            "--scale-interval",
-            "0.5",
-            "--scale-down-stabilization",
-            "3",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env_with(),
-    )
+    proc = start_up(
+        tiny_model, tmp_path, "--autoscale", "--max-decode", "2", "--max-prefill", "2",
+        # Prefill's own signals never ask for more here; this bound does.
+        "--min-prefill-per-decode", "1",
+        # Any measured TPOT breaks a 0.1 ms objective, so load always asks for more decode.
+        "--slo-tpot", "100us", "--slo-ttft", "60s",
+        "--scale-interval", "0.5", "--scale-down-stabilization", "3",
+    )  # fmt: skip
     out = Output(proc)
     lines, wait_line = out.lines, out.wait_line
 
@@ -185,16 +160,9 @@ def test_up_autoscale_lets_decode_sleep_and_wakes_it_for_a_request(
 ) -> None:
     # --min-decode 0: idle, the decode pool drains to zero; a request then waits in the router
     # while the autoscaler, seeing it in flight, starts a decode worker, and is served.
-    proc = subprocess.Popen(
-        up_cmd(
-            "--model", str(tiny_model), "--port", "0", "--device", "cpu",
-            "--log-dir", str(tmp_path), "--autoscale", "--min-decode", "0", "--max-decode", "1",
-            "--max-prefill", "1", "--scale-interval", "0.5", "--scale-down-stabilization", "2",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env_with(),
+    proc = start_up(
+        tiny_model, tmp_path, "--autoscale", "--min-decode", "0", "--max-decode", "1",
+        "--max-prefill", "1", "--scale-interval", "0.5", "--scale-down-stabilization", "2",
     )  # fmt: skip
     out = Output(proc)
     lines, wait_line = out.lines, out.wait_line

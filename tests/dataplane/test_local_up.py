@@ -34,6 +34,30 @@ def env_with(**extra: str) -> dict[str, str]:
     return env
 
 
+def start_up(
+    model: Path, log_dir: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`splitserve up` on `model`, on the CPU and a free port, its logs in log_dir; its stdout
+    and stderr merged into one text pipe."""
+    return subprocess.Popen(
+        up_cmd(
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--log-dir",
+            str(log_dir),
+            *args,
+        ),  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env or env_with(),
+    )
+
+
 def test_up_demo_on_a_fresh_cache_runs_and_exits_zero(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     result = subprocess.run(
@@ -59,31 +83,13 @@ def test_up_demo_on_a_fresh_cache_runs_and_exits_zero(tmp_path: Path) -> None:
 
 
 def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        up_cmd(
-            "--model",
-            str(tiny_model),
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--prefill",
-            "1",
-            "--decode",
-            "2",
-            "--stats-interval",
-            "0.5",
-            "--log-dir",
-            str(tmp_path),
-            "--log-requests",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = start_up(
+        tiny_model, tmp_path, "--prefill", "1", "--decode", "2", "--stats-interval", "0.5",
+        "--log-requests",
         # With an API key in the environment the router requires it, and local mode's own
         # calls (the model name, the live line's scrape) still work.
         env=env_with(SPLITSERVE_API_KEY="sk-local"),
-    )
+    )  # fmt: skip
     lines: list[str] = []
     ready = threading.Event()
 
@@ -144,26 +150,7 @@ def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> No
 
 
 def test_up_with_max_restarts_0_stops_at_the_first_exit(tiny_model: Path, tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        up_cmd(
-            "--model",
-            str(tiny_model),
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--colocated",
-            "1",
-            "--max-restarts",
-            "0",
-            "--log-dir",
-            str(tmp_path),
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env_with(),
-    )
+    proc = start_up(tiny_model, tmp_path, "--colocated", "1", "--max-restarts", "0")
     try:
         assert proc.stdout is not None
         out = []

@@ -522,12 +522,9 @@ def _poll_lands(pool: WorkerPool) -> None:
     pool._changed = asyncio.Event()
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
-async def test_a_pool_with_no_worker_is_waited_for(role: str) -> None:
-    # Scaled to zero (or every worker restarting): the request waits for a worker to appear
-    # instead of failing at once, and gets it when the next poll brings one.
-    calls: list[str] = []
-    pool = fake_pool(role, {})
+def _with_the_other_pool(role: str, pool: WorkerPool, calls: list[str]) -> dict[str, WorkerPool]:
+    """`pool` as the flow's `role` pool, with a healthy fake of the pool a split flow also needs
+    (prefill's decode, decode's prefill; colocated needs none)."""
     pools: dict[str, WorkerPool] = {role: pool}
     if role == "prefill":
         pools["decode"] = fake_pool("decode", {"d:1": (64, 64)})
@@ -535,6 +532,16 @@ async def test_a_pool_with_no_worker_is_waited_for(role: str) -> None:
     elif role == "decode":
         pools["prefill"] = fake_pool("prefill", {"p:1": (64, 64)})
         pools["prefill"].workers["p:1"].stub = _FakePrefill("p:1", calls)
+    return pools
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+async def test_a_pool_with_no_worker_is_waited_for(role: str) -> None:
+    # Scaled to zero (or every worker restarting): the request waits for a worker to appear
+    # instead of failing at once, and gets it when the next poll brings one.
+    calls: list[str] = []
+    pool = fake_pool(role, {})
+    pools = _with_the_other_pool(role, pool, calls)
 
     async def wake() -> None:
         await asyncio.sleep(0.3)
@@ -885,12 +892,7 @@ async def test_a_pool_whose_workers_are_down_names_the_last_failure(role: str) -
     # The pool's one worker refuses connections (killed): a new request waits for it as for an
     # empty pool, and the 503 says what the router last saw go wrong, not only that it waited.
     pool = WorkerPool(role, StaticDiscovery(**{role: ["127.0.0.1:1"]}), "round_robin")
-    pools: dict[str, WorkerPool] = {role: pool}
-    if role == "prefill":
-        pools["decode"] = fake_pool("decode", {"d:1": (64, 64)})
-        pools["decode"].workers["d:1"].stub = _FakeDecode(lambda: None)
-    elif role == "decode":
-        pools["prefill"] = fake_pool("prefill", {"p:1": (64, 64)})
+    pools = _with_the_other_pool(role, pool, [])
     try:
         await pool.refresh()  # its Load poll is refused: out of picking
         assert pool.pick() is None

@@ -304,12 +304,14 @@ def test_a_grammar_drafts_its_forced_text_and_only_what_it_allows(
     engine = make_engine(speculative_tokens=8)
     seq = Sequence("g", [9, 10, 11], SamplingParams(max_tokens=50))
     seq.matcher = engine.grammars.matcher(G.lark('start: "hello world, " /[a-z]+/'))
+    seq.drafter = Drafter(8, 1, 3)
     forced = engine.scheduler._propose(seq, 8)
     assert forced and "hello world, ".startswith(engine.tokenizer.decode(forced))
     assert engine.scheduler._propose(seq, 2) == forced[:2]  # at most what may be emitted
     # Nothing forced: the lookup's draft, cut where the grammar would refuse it.
     free = Sequence("f", [40, 41, 42, 40, 41], SamplingParams(max_tokens=50))
     free.matcher = engine.grammars.matcher(G.regex("[0-9]+"))
+    free.drafter = Drafter(4, 1, 3)
     digit = engine.tokenizer.encode("7", add_special_tokens=False)
     free.token_ids = digit + free.token_ids  # "7" then a draft the lookup finds: 42 40 41
     assert Drafter(4, 1, 3).propose(free.token_ids, 4)  # what the lookup alone would draft
@@ -380,6 +382,7 @@ def test_forced_drafts_are_at_most_k_tokens(make_engine: Callable[..., LLMEngine
     engine = make_engine(speculative_tokens=2)
     seq = Sequence("g", [9, 10, 11], SamplingParams(max_tokens=50))
     seq.matcher = engine.grammars.matcher(G.lark('start: "hello world, " /[a-z]+/'))
+    seq.drafter = Drafter(2, 1, 3)
     assert len(engine.scheduler._propose(seq, 40)) == 2
 
 

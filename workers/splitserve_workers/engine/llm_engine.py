@@ -236,7 +236,7 @@ class LLMEngine:
             seq.drafter = Drafter(
                 c.speculative_tokens, c.speculative_ngram_min, c.speculative_ngram_max
             )
-            seq.drafter.index.propose(prompt_token_ids, 0)
+            seq.drafter.index.add(prompt_token_ids)
         if params.grammar is not None:
             try:  # compiled here, on the caller's thread, not in the step loop
                 seq.matcher = self.grammars.matcher(params.grammar)
@@ -338,12 +338,12 @@ class LLMEngine:
                 logits, done, hidden = self.model_runner.run_prefill(seqs, counts, want)
                 for i, rows in zip(want, hidden, strict=True):
                     self._prompt_logprobs(seqs[i], starts[i], rows)
-            elif batch.drafts is not None:
-                logits = self.model_runner.run_verify(seqs, batch.drafts)
-                done = list(range(len(seqs)))
             else:
-                logits = self.model_runner.run_decode(seqs)
                 done = list(range(len(seqs)))
+                if batch.drafts is not None:
+                    logits = self.model_runner.run_verify(seqs, batch.drafts)
+                else:
+                    logits = self.model_runner.run_decode(seqs)
             # One row per sampled sequence; a speculative pass has 1 + len(draft) rows for each,
             # row j sampling output token (num_output_tokens + j) as a plain step would.
             rows_of = [counts[i] if batch.drafts is not None else 1 for i in done]

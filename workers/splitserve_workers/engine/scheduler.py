@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from splitserve_workers.engine.block_manager import BlockManager, chain_hash
 from splitserve_workers.engine.config import EngineConfig
 from splitserve_workers.engine.sequence import Sequence, SequenceStatus
-from splitserve_workers.engine.speculative import Drafter
 
 
 @dataclass
@@ -40,7 +39,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.mixed = config.enable_mixed_batches
         self.speculative_tokens = config.speculative_tokens
-        self.ngram = (config.speculative_ngram_min, config.speculative_ngram_max)
         self.bm = block_manager
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
@@ -191,7 +189,7 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens - 1,
             )
             draft: list[int] = []
-            if seq.speculable and limit > 0:
+            if seq.drafter is not None and limit > 0:
                 draft = self._propose(seq, limit)
                 room = (len(seq.block_table) + self.bm.num_free_blocks) * bs - seq.num_tokens
                 draft = draft[: max(0, room)]
@@ -205,8 +203,7 @@ class Scheduler:
             batch.num_new_tokens = [1 + len(d) for d in drafts]
 
     def _propose(self, seq: Sequence, limit: int) -> list[int]:
-        if seq.drafter is None:
-            seq.drafter = Drafter(self.speculative_tokens, *self.ngram)
+        assert seq.drafter is not None
         if seq.matcher is None:
             return seq.drafter.propose(seq.token_ids, limit)
         if seq.matcher.is_error() or seq.matcher.is_stopped():

@@ -96,15 +96,10 @@ class Sequence:
         # With SamplingParams.grammar: its llguidance matcher, advanced by every output token.
         self.matcher: Any = None
         # Speculative decoding (speculative.py): its drafter (n-gram index of token_ids and
-        # adaptive draft length), made on first use, and a generator per draft row of a seeded
-        # request (row 0 uses `generator`).
+        # adaptive draft length; None: not drafted for, as a prefill-only sequence), and a
+        # generator per draft row of a seeded request (row 0 uses `generator`).
         self.drafter: Drafter | None = None
         self.draft_generators: list[torch.Generator] = []
-
-    @property
-    def speculable(self) -> bool:
-        """Drafts can be verified for it: it decodes here."""
-        return not self.prefill_only
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -37,16 +37,21 @@ class NgramIndex:
         self._last: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]
         self._indexed = 0  # n-grams ending before this index are in _last
 
-    def propose(self, token_ids: SequenceT[int], k: int) -> list[int]:
-        """k tokens that followed the latest earlier occurrence of the longest suffix of
-        token_ids (max_n tokens down to min_n) seen before, the span between that occurrence
-        and the end repeated if it is shorter than k; [] when there is none."""
+    def add(self, token_ids: SequenceT[int]) -> None:
+        """Indexes the n-grams of token_ids not indexed yet, except those ending at its last
+        token: a lookup's suffix must not find itself."""
         end = len(token_ids)
-        # Index every n-gram ending before the last token: the suffix itself must not match.
         for stop in range(max(self._indexed, 1), end):
             for n in range(self.min_n, min(self.max_n, stop) + 1):
                 self._last[n - self.min_n][tuple(token_ids[stop - n : stop])] = stop
         self._indexed = max(self._indexed, end)
+
+    def propose(self, token_ids: SequenceT[int], k: int) -> list[int]:
+        """k tokens that followed the latest earlier occurrence of the longest suffix of
+        token_ids (max_n tokens down to min_n) seen before, the span between that occurrence
+        and the end repeated if it is shorter than k; [] when there is none."""
+        self.add(token_ids)
+        end = len(token_ids)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             at = self._last[n - self.min_n].get(tuple(token_ids[end - n :]))
             if at is not None:
