@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from splitserve_workers.http_errors import AppRunner
 from splitserve_workers.metrics import WorkerMetrics, worker_metrics
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ async def start_http(
     refresh: Callable[[], None] | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve the probes and metrics; returns the runner and the bound port (port 0 = any)."""
-    runner = web.AppRunner(
+    runner = AppRunner(
         make_app(status, registry, refresh),
         access_log=None,
         max_line_size=MAX_LINE_BYTES,

@@ -20,19 +20,19 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
-from aiohttp.http_exceptions import BadHttpMethod, ContentEncodingError, LineTooLong
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from splitserve_workers import http_errors
 from splitserve_workers.config import ConfigError, ServingConfig
 from splitserve_workers.engine.tokenizer import NoChatTemplate
+from splitserve_workers.http_errors import QuietErrorHandler
 from splitserve_workers.metrics import RouterMetrics, router_metrics
 from splitserve_workers.proto import serving_pb2
 from splitserve_workers.router import openai_api as api
@@ -1408,47 +1408,26 @@ class ListenError(Exception):
     """The router's port cannot be bound."""
 
 
-class _OpenAIErrorHandler(RequestHandler):
-    """aiohttp's per-connection protocol, answering what it refuses before any route runs (an
-    unparseable request line, a header over aiohttp's size limit, bad chunked framing) with an
-    OpenAI-style JSON error body instead of text/plain. A client's malformed request is logged
-    at INFO (a bad method, which TLS or scanner traffic produces, at DEBUG), not as an ERROR
-    with a traceback."""
+class _OpenAIErrorHandler(QuietErrorHandler):
+    """Protocol-level refusals (see http_errors) answered with an OpenAI-style error body."""
 
-    def handle_error(
-        self,
-        request: BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if status >= 500:
-            super().handle_error(request, status, exc, message)  # logs; its text body is dropped
-            err = api.APIError(status, HTTPStatus(status).phrase, code="internal_error")
-        else:
-            if request.writer.output_size > 0:
-                raise ConnectionError("response already started; cannot send the error")
-            if isinstance(exc, ContentEncodingError) and "install" in str(exc):
-                # br or zstd without the module that decodes it (aiohttp's text says to install
-                # it, which is no advice for a client): a 415 naming what is accepted.
-                coding = "zstd" if "zstd" in str(exc) else "br"
-                err = unsupported_coding(coding)
-                log.info("bad HTTP request from %s: %s", request.remote, err.message)
-                response = web.json_response(err.body(), status=415, headers=err.headers)
-                response.force_close()
-                return response
-            if isinstance(exc, LineTooLong):  # its own text echoes the whole oversized line
-                why = f"the request line or a header is longer than {exc.args[1]} bytes"
-            else:
-                why = message or (str(exc) if exc else "") or HTTPStatus(status).phrase
-                why = " ".join(why.split())[:200]  # the C parser's text spans several lines
-            # TLS or scanner traffic on the plain port shows up as a bad method: routine noise.
-            level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.INFO
-            log.log(level, "bad HTTP request from %s: %s", request.remote, why)
-            err = api.APIError(status, f"bad HTTP request: {why}", code="bad_http_request")
-        response = web.json_response(err.body(), status=status)
-        response.force_close()
-        return response
+    logger = log
+
+    def error_response(self, request: BaseRequest, status: int, why: str) -> web.StreamResponse:
+        code = "internal_error" if status >= 500 else "bad_http_request"
+        return web.json_response(api.APIError(status, why, code=code).body(), status=status)
+
+    def client_error(
+        self, request: BaseRequest, status: int, exc: BaseException | None
+    ) -> web.StreamResponse | None:
+        if isinstance(exc, ContentEncodingError) and "install" in str(exc):
+            # br or zstd without the module that decodes it (aiohttp's text says to install
+            # it, which is no advice for a client): a 415 naming what is accepted.
+            coding = "zstd" if "zstd" in str(exc) else "br"
+            err = unsupported_coding(coding)
+            log.info("bad HTTP request from %s: %s", request.remote, err.message)
+            return web.json_response(err.body(), status=415, headers=err.headers)
+        return None
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         # A body that fails its Content-Encoding was already answered (400 `invalid_body`);
@@ -1461,23 +1440,10 @@ class _OpenAIErrorHandler(RequestHandler):
         super().log_exception(*args, **kw)
 
 
-class _OpenAIErrorServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
-
-
-class AppRunner(web.AppRunner):
+class AppRunner(http_errors.AppRunner):
     """web.AppRunner whose connections answer protocol-level errors in the API's shape."""
 
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        return _OpenAIErrorServer(
-            server.request_handler,
-            request_factory=server.request_factory,
-            handler_cancellation=server.handler_cancellation,
-            loop=asyncio.get_running_loop(),
-            **server._kwargs,
-        )
+    handler_class = _OpenAIErrorHandler
 
 
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event | None = None) -> None:
