@@ -1,7 +1,8 @@
 """`splitserve up` as a user runs it: `--demo` on a fresh cache builds the tiny model, starts the
 pools and the router, streams a few answers and exits 0 by itself; a long-running `up` restarts
 a worker killed under it on the same port and stops all its children on SIGTERM (no orphans);
-with `--max-restarts 0` the first exit stops everything."""
+with `--max-restarts 0` the first exit stops everything; a frozen (SIGSTOPped) worker is killed by
+the liveness probe and restarted."""
 
 from __future__ import annotations
 
@@ -58,6 +59,27 @@ def start_up(
     )
 
 
+def follow(proc: subprocess.Popen[str]) -> tuple[list[str], int]:
+    """Collects `up`'s output lines from a thread into the list returned (it keeps growing)
+    and waits until `up` is ready; the router's port."""
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("READY role=up"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not (ready.wait(DEMO_TIMEOUT_S) and proc.poll() is None):
+        proc.kill()
+        raise AssertionError("".join(lines))
+    return lines, int(next(x for x in lines if x.startswith("READY role=up")).split("=")[-1])
+
+
 def test_up_demo_on_a_fresh_cache_runs_and_exits_zero(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     result = subprocess.run(
@@ -90,21 +112,8 @@ def test_up_stops_every_child_on_sigterm(tiny_model: Path, tmp_path: Path) -> No
         # calls (the model name, the live line's scrape) still work.
         env=env_with(SPLITSERVE_API_KEY="sk-local"),
     )  # fmt: skip
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("READY role=up"):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    lines, port = follow(proc)
     try:
-        assert ready.wait(DEMO_TIMEOUT_S) and proc.poll() is None, "".join(lines)
-        port = int(next(line for line in lines if line.startswith("READY role=up")).split("=")[-1])
         children = psutil.Process(proc.pid).children(recursive=True)
         roles = sorted(c.cmdline()[3] for c in children if "splitserve_workers.cli" in c.cmdline())
         assert roles == ["decode", "decode", "prefill", "router"]
@@ -172,3 +181,32 @@ def test_up_with_max_restarts_0_stops_at_the_first_exit(tiny_model: Path, tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_up_kills_and_restarts_a_frozen_worker(tiny_model: Path, tmp_path: Path) -> None:
+    # A stopped process never exits by itself: only the liveness probe can tell it is gone.
+    proc = start_up(tiny_model, tmp_path, "--colocated", "1", "--liveness-timeout", "4")
+    lines, port = follow(proc)
+    try:
+        worker = next(
+            c
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if c.cmdline()[3:4] == ["colocated"]
+        )
+        worker.suspend()  # SIGSTOP
+        deadline = time.monotonic() + DEMO_TIMEOUT_S
+        while not any("colocated-0 is back on port" in x for x in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        said = "".join(lines)
+        assert re.search(r"colocated-0 \(pid \d+\) has not answered \S+/health for \d+ s", said)
+        assert "colocated-0 exited with -9; restarting it on port" in said
+        assert not worker.is_running()
+        # Only the frozen worker was killed: the router kept serving and reaches the new one.
+        assert "router exited" not in said
+        url, body = f"http://127.0.0.1:{port}/v1/completions", {"prompt": "hello", "max_tokens": 4}
+        assert httpx.post(url, json=body, timeout=120).status_code == 200
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)

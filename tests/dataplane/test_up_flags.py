@@ -14,6 +14,9 @@ from splitserve_workers.cli import main
     [
         (["--port", "70000"], "--port"),
         (["--stats-interval", "0"], "--stats-interval"),
+        (["--max-restarts", "-1"], "--max-restarts: -1 must be >= 0"),
+        (["--liveness-timeout", "-1"], "--liveness-timeout: -1.0 must be >= 0"),
+        (["--liveness-timeout", "nan"], "--liveness-timeout: nan must be >= 0"),
         (["--colocated", "0"], "--colocated"),
         (["--colocated", "1", "--prefill", "1"], "use --colocated"),
         (["--prefill", "0"], "--prefill/--decode"),

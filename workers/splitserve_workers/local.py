@@ -40,6 +40,9 @@ START_TIMEOUT_S = 600.0  # first start imports torch and may build the model
 STOP_TIMEOUT_S = 30.0
 RESTART_WINDOW_S = 60.0  # --max-restarts counts restarts of one child within this window
 DEFAULT_MAX_RESTARTS = 3
+# A child whose /health has not answered for this long (stopped, or its event loop blocked) is
+# killed, and restarted as an exited one is: local mode's liveness probe.
+DEFAULT_LIVENESS_TIMEOUT_S = 30.0
 DEMO_PROMPTS = (
     "Explain in one sentence why prefill and decode are served by separate pools.",
     "Write a haiku about a KV cache moving between two machines.",
@@ -115,6 +118,14 @@ class Child:
     retiring: bool = False  # told to stop (scale-down): its exit is not a failure
     args: list[str] = field(default_factory=list)  # its command line after `splitserve`
     restarts: list[float] = field(default_factory=list)  # monotonic times it was restarted
+    host: str = "127.0.0.1"  # where its /health is asked
+    ready: bool = False  # started and not exited since (what the liveness probe looks at)
+    alive_at: float = 0.0  # monotonic time it last answered /health (or became ready)
+
+    @property
+    def health_url(self) -> str:
+        # Workers answer /health on their metrics port, the router on its API port.
+        return f"http://{self.host}:{self.metrics_port or self.port}/health"
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -157,6 +168,7 @@ class LocalStack:
         await self._launch(child, "ab")
 
     async def _launch(self, child: Child, log_mode: str) -> None:
+        child.ready = False
         with open(child.log_path, log_mode) as log_file:
             proc = await asyncio.create_subprocess_exec(
                 *splitserve_cmd(*child.args),
@@ -182,6 +194,7 @@ class LocalStack:
                 ready.set_exception(RuntimeError("exited before it was ready"))
                 return
             await proc.wait()
+            child.ready = False
             if not child.retiring:
                 self._exited.put_nowait(child)
 
@@ -189,6 +202,7 @@ class LocalStack:
         try:
             m = await asyncio.wait_for(ready, START_TIMEOUT_S)
             child.port, child.metrics_port = int(m["port"]), int(m["metrics"] or 0)
+            child.ready, child.alive_at = True, time.monotonic()
         except (TimeoutError, RuntimeError) as e:
             # Stop it (if it still runs), so its later exit is not taken for a crash.
             child.retiring = True
@@ -459,6 +473,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"restarted this many times in the last {RESTART_WINDOW_S:.0f} s; then everything "
         f"stops (default {DEFAULT_MAX_RESTARTS}; 0: stop at the first exit)",
     )
+    parser.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=DEFAULT_LIVENESS_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a process whose /health has not answered for this long (stopped, or its event "
+        "loop blocked) is killed and restarted as one that exited "
+        f"(default {DEFAULT_LIVENESS_TIMEOUT_S:.0f}; 0: never)",
+    )
     scaling = parser.add_argument_group(
         "autoscaling",
         "size the prefill and decode pools from their measured TTFT, TPOT, utilization and KV "
@@ -666,6 +689,8 @@ def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
         raise _usage_error(f"--stats-interval: {args.stats_interval} must be positive")
     if args.max_restarts < 0:
         raise _usage_error(f"--max-restarts: {args.max_restarts} must be >= 0")
+    if not args.liveness_timeout >= 0:  # NaN too
+        raise _usage_error(f"--liveness-timeout: {args.liveness_timeout} must be >= 0")
     spec = args.speculative_tokens
     if spec is not None and not 0 <= spec <= MAX_SPECULATIVE_TOKENS:
         raise _usage_error(f"--speculative-tokens: {spec} not in [0, {MAX_SPECULATIVE_TOKENS}]")
@@ -765,6 +790,7 @@ async def _up(
             router_args += ["--prefill", endpoints("prefill"), "--decode", endpoints("decode")]
         router = await stack.start("router", router_args)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        router.host = host
         base = f"http://{host}:{router.port}"
         await _wait_ready(base)
         models = json.loads(await _get(base + "/v1/models", timeout=STARTUP_GET_TIMEOUT_S))
@@ -793,13 +819,21 @@ async def _up(
             return 0
         print("press Ctrl-C to stop", flush=True)
         if scaler is None:
-            return await _watch(stack, base, stop, args.stats_interval, args.max_restarts)
+            return await _watch(
+                stack, base, stop, args.stats_interval, args.max_restarts, args.liveness_timeout
+            )
         scaler.router_metrics_url = base + "/metrics"
         print(f"autoscaling: {scaler.describe()}", flush=True)
         scaling = asyncio.ensure_future(scaler.run(stop))
         try:
             return await _watch(
-                stack, base, stop, args.stats_interval, args.max_restarts, scaler.sizes
+                stack,
+                base,
+                stop,
+                args.stats_interval,
+                args.max_restarts,
+                args.liveness_timeout,
+                scaler.sizes,
             )
         finally:
             scaling.cancel()
@@ -843,16 +877,19 @@ async def _watch(
     stop: asyncio.Event,
     interval: float,
     max_restarts: int,
+    liveness_timeout: float,
     sizes: Callable[[], str] | None = None,
 ) -> int:
     """Prints the live line until Ctrl-C. A child that exits on its own is started again on
     its ports (what it had in flight is lost; its clients got their error), unless it has
     already been restarted max_restarts times in the last RESTART_WINDOW_S seconds (a crash
-    loop) or does not come back: then `up` stops everything and exits 1."""
+    loop) or does not come back: then `up` stops everything and exits 1. A child that stops
+    answering /health for liveness_timeout seconds (0: never) is killed first."""
     live = LiveLine()
     exited = asyncio.ensure_future(stack.wait_any_exit())
     stopper = asyncio.ensure_future(stop.wait())
     restarting: set[asyncio.Future[bool]] = set()
+    prober = asyncio.ensure_future(_liveness(stack, liveness_timeout)) if liveness_timeout else None
     try:
         while True:
             waiting: set[asyncio.Future[Any]] = {exited, stopper, *restarting}
@@ -878,8 +915,51 @@ async def _watch(
     finally:
         exited.cancel()
         stopper.cancel()
+        if prober is not None:
+            prober.cancel()
         for task in restarting:
             task.cancel()
+
+
+async def _answers(url: str, timeout: float) -> bool:
+    import aiohttp
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+            s.get(url) as r,
+        ):
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def _liveness(stack: LocalStack, timeout_s: float) -> None:
+    """Kills a child whose /health has not answered for timeout_s seconds: a stopped process,
+    or one whose event loop is blocked, serves nothing and never exits by itself. Its exit
+    then takes the same path as a crash's (_watch restarts it). Like a pod's liveness probe,
+    it cannot see an engine thread stuck behind a healthy event loop."""
+    period = max(0.2, min(5.0, timeout_s / 4))
+
+    async def probe(child: Child) -> None:
+        if await _answers(child.health_url, timeout=period):
+            child.alive_at = time.monotonic()
+            return
+        silent = time.monotonic() - child.alive_at
+        if child.ready and not child.retiring and silent > timeout_s:
+            print(
+                f"splitserve up: {child.name} (pid {child.proc.pid}) has not answered "
+                f"{child.health_url} for {silent:.0f} s; killing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.kill()
+
+    while True:
+        await asyncio.sleep(period)
+        watched = [c for c in stack.children if c.ready and not c.retiring]
+        await asyncio.gather(*(probe(c) for c in watched))
 
 
 async def _restart(stack: LocalStack, child: Child, max_restarts: int) -> bool:
