@@ -140,3 +140,29 @@ def test_decode_worker_first_token_matches_a_stop_string(
             while b.has_unfinished():
                 b.step()
     assert b.stats().free_blocks == b.num_kv_blocks
+
+
+def test_stop_strings_do_not_match_special_tokens_text(
+    make_engine: Callable[..., LLMEngine], tiny_llama: Path
+) -> None:
+    # The router shows the output without special tokens' text (and finds stop strings in
+    # that): the engine must not stop on a stop string only a special token's text holds,
+    # which would end the answer with "stop" where the client's text has no stop string.
+    from splitserve_workers.router.detok import IncrementalDetokenizer
+
+    engine = make_engine(tiny_llama)
+    tok = engine.tokenizer
+    special = tok.token_to_id("<|im_start|>")  # not EOS
+    assert special is not None and special not in engine.eos_token_ids
+    prompt = tok.encode("hello", add_special_tokens=True)
+    forced = SamplingParams(max_tokens=4, logit_bias={special: 100.0}, stop=["im_"])
+    out = engine.generate([prompt], forced)[0]
+    assert out == [special] * 4  # ran to max_tokens: "im_" is in no text the client sees
+    detok = IncrementalDetokenizer(tok, ["im_"], [], prompt)
+    assert detok.add(out) + detok.finish() == "" and not detok.stopped
+    # A stop string in the text still ends it, special tokens or not around it.
+    plain = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    text = tok.decode(plain)
+    stop = next(text[i : i + 2] for i in range(len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    got = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert stop in tok.decode(got) and stop not in tok.decode(got[:-1])

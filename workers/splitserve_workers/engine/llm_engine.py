@@ -529,24 +529,25 @@ class LLMEngine:
         # decoded. While the window still reaches the first output token, the last few prompt
         # tokens take that place and only the text after theirs is searched, so a stop string
         # " word" matches the first generated word too (as decoding prompt + output would).
+        # Special tokens' text is skipped, as in the text the router shows and trims: a stop
+        # string only such a token spells (an "<|im_start|>" holding "im_") never stops it.
         stop = seq.params.stop
         window = 4 * max(len(s) for s in stop) + 1
         n_out = seq.num_output_tokens
         if n_out > window:
-            text = self.tokenizer.decode(seq.token_ids[-window:], skip_special_tokens=False)
+            text = self.tokenizer.decode(seq.token_ids[-window:])
             return any(s in text for s in stop)
         out = seq.token_ids[seq.num_prompt_tokens :]
         if seq.stop_context is None:  # the prompt does not change: decoded once per request
             seq.stop_context = prompt_context(
-                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
-                seq.token_ids[: seq.num_prompt_tokens],
+                self.tokenizer.decode, seq.token_ids[: seq.num_prompt_tokens]
             )
         ctx, ctx_text = seq.stop_context
-        text = self.tokenizer.decode(ctx + out, skip_special_tokens=False)
+        text = self.tokenizer.decode(ctx + out)
         if text.startswith(ctx_text):
             text = text[len(ctx_text) :]
         else:  # the context's text changed with the output after it: search the output alone
-            text = self.tokenizer.decode(out, skip_special_tokens=False)
+            text = self.tokenizer.decode(out)
         return any(s in text for s in stop)
 
     # ---- offline convenience -----------------------------------------------------------------
