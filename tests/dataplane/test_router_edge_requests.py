@@ -192,6 +192,16 @@ def test_integers_past_int32_are_a_400(extra: dict, param: str) -> None:
     assert api.parse_completion({"prompt": "x", "top_k": 2**31 - 1}).top_k == 2**31 - 1
 
 
+def test_vllms_top_k_minus_one_is_every_token() -> None:
+    # vLLM's "consider all tokens" value (its old default, still sent by clients written for
+    # it) is no cut, as 0 is; below it is a 400 naming the field.
+    for value in (-1, 0, -1.0):
+        assert api.parse_completion({"prompt": "x", "top_k": value}).top_k == 0
+    with pytest.raises(api.APIError) as err:
+        api.parse_completion({"prompt": "x", "top_k": -2})
+    assert err.value.status == 400 and err.value.param == "top_k"
+
+
 async def test_lone_surrogate_over_http_is_a_400(client: TestClient) -> None:
     headers = {"content-type": "application/json"}
     for raw in (rb'{"prompt": "a \ud800"}', rb'{"prompt": "a", "top_k": 99999999999999999999}'):

@@ -409,7 +409,9 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     # float32's range would turn into no nucleus cut at all instead of the strictest one. Any
     # top_p under the largest probability (>= 1 / vocabulary) keeps the top token alone.
     req.top_p = 1.0 if top_p is None else max(top_p, MIN_TOP_P)
-    req.top_k = _int(body, "top_k", 0, INT32_MAX) or 0
+    # 0 or -1: every token (vLLM takes both; -1 was its default, and clients written for it
+    # still send it).
+    req.top_k = max(_int(body, "top_k", -1, INT32_MAX) or 0, 0)
     req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     req.presence_penalty = _float(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
     req.frequency_penalty = _float(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
