@@ -116,12 +116,24 @@ class Operator:
         with self._lock:
             return self._reconciling.setdefault((namespace, name), threading.RLock())
 
-    def reconcile(self, body: kopf.Body, logger: logging.Logger | kopf.Logger, why: str) -> None:
+    def reconcile(
+        self,
+        body: kopf.Body,
+        logger: logging.Logger | kopf.Logger,
+        why: str,
+        wake_from_zero: bool = False,
+    ) -> None:
         meta = body.meta
         with self._serialized(meta["namespace"], meta["name"]):
-            self._reconcile(body, logger, why)
+            self._reconcile(body, logger, why, wake_from_zero)
 
-    def _reconcile(self, body: kopf.Body, logger: logging.Logger | kopf.Logger, why: str) -> None:
+    def _reconcile(
+        self,
+        body: kopf.Body,
+        logger: logging.Logger | kopf.Logger,
+        why: str,
+        wake_from_zero: bool = False,
+    ) -> None:
         meta = body.meta
         name, namespace = meta["name"], meta["namespace"]
         generation = int(meta.get("generation") or 0)
@@ -156,10 +168,11 @@ class Operator:
                     message = f"deleted {', '.join(deleted)}: {because}"
                     kopf.info(body, reason="Deleted", message=message)
         try:
-            # A spec change in mode HPA restarts a pool left at zero (by Builtin or KEDA before
-            # the change); on a resync a zero is someone's choice (it pauses the HPA).
+            # The change into mode HPA restarts a pool left at zero (by Builtin or KEDA before
+            # the change); any other time a zero is someone's choice (it pauses the HPA), kept
+            # across resyncs, operator restarts and later edits alike.
             outcome = apply_children(
-                self.kube, objects, spec.autoscaling_mode, wake_from_zero=why == "change"
+                self.kube, objects, spec.autoscaling_mode, wake_from_zero=wake_from_zero
             )
             if why == "change" and prune_error is not None:
                 raise prune_error
@@ -241,16 +254,23 @@ class Operator:
     def pool_trouble(
         self, namespace: str, service: str, deployments: dict[str, dict[str, Any] | None]
     ) -> dict[str, str]:
-        """Per pool whose Deployment has fewer ready replicas than it asks for, why its pods are
-        not running (unschedulable, image pull, crash loop), read from the pods themselves, so
-        the Ready message says it long before the Deployment's progress deadline does. Pools
-        that are ready cost no API call."""
+        """Per pool whose Deployment has not settled (fewer ready or updated replicas than it
+        asks for, or old pods left: a rollout under way), why its pods are not running
+        (unschedulable, image pull, crash loop), read from the pods themselves, so the Ready
+        message says it long before the Deployment's progress deadline does. A rollout whose
+        new pods cannot start while the old ones still serve is the common case: a resources or
+        image edit. Settled pools cost no API call."""
         trouble: dict[str, str] = {}
         for pool, dep in deployments.items():
             if dep is None:
                 continue
             want = int((dep.get("spec") or {}).get("replicas") or 0)
-            if int((dep.get("status") or {}).get("readyReplicas") or 0) >= want:
+            st = dep.get("status") or {}
+            if (
+                int(st.get("readyReplicas") or 0) >= want
+                and int(st.get("updatedReplicas") or 0) >= want
+                and int(st.get("replicas") or 0) <= want
+            ):
                 continue
             try:
                 pods = self.kube.list_objects(
@@ -416,6 +436,15 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
     def on_change(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         operator.reconcile(body, logger, why="change")
 
+    def on_update(body: kopf.Body, old: Any, logger: kopf.Logger, **_: Any) -> None:
+        # Only the edit that enters mode HPA wakes a pool at zero: a resume (operator
+        # restart), a label or any other edit in mode HPA leaves a `kubectl scale --replicas=0`
+        # pause alone. (A mode change made while the operator was down reaches it as an
+        # update, with the last handled spec as `old`.)
+        before = ((old or {}).get("spec") or {}).get("autoscaling") or {}
+        entered = before.get("mode", "Off") != "HPA"
+        operator.reconcile(body, logger, why="change", wake_from_zero=entered)
+
     def on_resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         operator.reconcile(body, logger, why="resync")
 
@@ -488,7 +517,7 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
     kopf.on.login(registry=registry)(kopf.login_via_client)
     resource = (GROUP, VERSION, PLURAL)
     kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_change)
-    kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_change)
+    kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_update)
     kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_change)
     # optional: this handler adds no finalizer of its own (the resync timer has kopf's one).
     kopf.on.delete(*resource, registry=registry, id="cleanup", optional=True)(on_delete)

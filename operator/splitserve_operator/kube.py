@@ -6,6 +6,7 @@ children.py go to the API server unchanged."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +78,8 @@ def load_api_client() -> client.ApiClient:
         config.load_incluster_config()
     except ConfigException:
         try:
-            config.load_kube_config()
+            # KUBECONFIG as it is now: the client reads it once, when it is imported.
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
         except (ConfigException, OSError) as e:
             raise NoCredentialsError(
                 f"no cluster credentials: not running in a pod, and no usable kubeconfig ({e}); "

@@ -81,6 +81,19 @@ def parse_duration(text: str, field_name: str) -> float:
     return total
 
 
+# The workers' config refuses shorter objectives (splitserve_workers.config: slo.*_seconds).
+MIN_SLO_SECONDS = 1e-6
+
+
+def slo_duration(slo: dict[str, Any], key: str, default: str) -> float:
+    """spec.slo.<key> in seconds; at least 1us (objects stored before the CRD's rule)."""
+    text = slo.get(key, default)
+    seconds = parse_duration(text, f"spec.slo.{key}")
+    if seconds < MIN_SLO_SECONDS:
+        raise SpecError(f"spec.slo.{key}: {text!r} is below the minimum 1us")
+    return seconds
+
+
 def autoscaling_interval(autoscaling: dict[str, Any]) -> float:
     """spec.autoscaling.interval in seconds, within its bounds."""
     text = autoscaling.get("interval", "15s")
@@ -377,8 +390,8 @@ def parse_spec(spec: dict[str, Any] | None) -> Spec:
         router=_pool("router", spec.get("router"), required=False),
         prefill=prefill,
         decode=decode,
-        ttft_seconds=parse_duration(slo.get("ttft", "500ms"), "spec.slo.ttft"),
-        tpot_seconds=parse_duration(slo.get("tpot", "50ms"), "spec.slo.tpot"),
+        ttft_seconds=slo_duration(slo, "ttft", "500ms"),
+        tpot_seconds=slo_duration(slo, "tpot", "50ms"),
         percentile=percentile,
         autoscaling_mode=mode,
         monitoring_enabled=bool(monitoring.get("enabled", True)),

@@ -576,6 +576,8 @@ INVALID: list[tuple[str, Any, str]] = [
     ),
     ("bad duration", {"slo": {"ttft": "fast"}}, "spec.slo.ttft"),
     ("zero duration", {"slo": {"tpot": "0s"}}, "spec.slo.tpot"),
+    ("sub-microsecond ttft", {"slo": {"ttft": "500ns"}}, "spec.slo.ttft"),
+    ("sub-microsecond tpot", {"slo": {"tpot": "0.5us"}}, "spec.slo.tpot"),
     ("percentile 150", {"slo": {"percentile": 150}}, "spec.slo.percentile"),
     ("17 draft tokens", {"decode": {"speculativeTokens": 17}}, "spec.decode.speculativeTokens"),
     ("unknown field", {"decode": {"replicas": 1, "maxBatchSise": 8}}, "maxBatchSise"),

@@ -61,6 +61,14 @@ def test_bad_durations_name_the_field(text: str) -> None:
         parse_spec(with_("slo.ttft", text))
 
 
+@pytest.mark.parametrize(("key", "text"), [("ttft", "500ns"), ("tpot", "0.5us")])
+def test_slo_objectives_below_a_microsecond_name_the_field(key: str, text: str) -> None:
+    # The workers' config refuses them (slo.*_seconds): the spec names its own field instead.
+    with pytest.raises(SpecError, match=f"^spec.slo.{key}: .* below the minimum 1us"):
+        parse_spec(with_(f"slo.{key}", text))
+    assert parse_spec(with_(f"slo.{key}", "1us")) is not None
+
+
 @pytest.mark.parametrize(
     ("value", "count"), [("8Gi", 8 << 30), ("512Mi", 512 << 20), ("1G", 10**9), (4096, 4096)]
 )
