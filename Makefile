@@ -3,9 +3,8 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV = $(shell bash hack/venv.sh)
 PYTEST_ARGS ?=
-# This checkout's sources come first, in every recipe and every process the tests start: the
-# cached venv is shared by all clones, and its editable install points at whichever clone last
-# ran hack/venv.sh.
+# This checkout's sources come first, in every recipe and every process the tests start (the
+# clone's .venv from hack/venv.sh imports them anyway; this also covers any other Python).
 export PYTHONPATH := $(CURDIR)/workers:$(CURDIR)/operator$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 help:  ## list the targets

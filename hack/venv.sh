@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the Python virtualenv for development and CI.
 # The venv lives outside the clone, keyed by the Python version and the dependency list in
-# pyproject.toml, so a rerun with unchanged dependencies takes seconds. Prints the venv path.
+# pyproject.toml, so a rerun with unchanged dependencies takes seconds. Prints the path of this
+# clone's venv (.venv/, below), which uses the shared one.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${SPLITSERVE_CACHE:-$HOME/.cache/splitserve}
@@ -28,9 +29,42 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/pip" freeze > "$venv/requirements.lock"
   touch "$venv/.complete"
 fi
-# Point the editable install at this clone (a few seconds; clones may move).
-if ! out=$("$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" 2>&1); then
-  echo "$out" >&2
-  exit 1
+# The shared venv holds the dependencies only. This clone gets its own small venv (.venv/,
+# ignored by git) that sees them through a .pth file and holds the editable install of this
+# clone alone: clones sharing the dependency venv never re-point each other's `splitserve`.
+# (Older versions of this script installed the project into the shared venv: this clone's
+# install comes first on sys.path, so such a leftover is never imported.)
+overlay="$root/.venv"
+stamp="$overlay/.splitserve-$key"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$root" ]; then
+  rm -rf "$overlay"
+  "$py" -m venv --without-pip "$overlay"
+  deps=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  own=$("$overlay/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # addsitedir, not a bare path line: the dependencies' own .pth files must run too.
+  echo "import site; site.addsitedir('$deps')" > "$own/_splitserve_deps.pth"
+  if ! out=$("$venv/bin/pip" --python "$overlay/bin/python" install -q --no-deps \
+      --no-build-isolation -e "$root" 2>&1); then
+    echo "$out" >&2
+    exit 1
+  fi
+  # The dependencies' commands (pytest, mypy, pip, ...), run by this venv's Python so they
+  # import this clone; compiled ones (ruff) are linked.
+  for f in "$venv"/bin/*; do
+    name=$(basename "$f")
+    case "$name" in activate* | Activate.ps1 | python*) continue ;; esac
+    [ -e "$overlay/bin/$name" ] && continue
+    case "$(head -n1 "$f" | tr -d '\0')" in
+      "#!$venv/bin/python"*) script=1 ;;
+      *) script=0 ;;
+    esac
+    if [ "$script" = 1 ]; then
+      { echo "#!$overlay/bin/python"; tail -n +2 "$f"; } > "$overlay/bin/$name"
+      chmod +x "$overlay/bin/$name"
+    else
+      ln -s "$f" "$overlay/bin/$name"
+    fi
+  done
+  echo "$root" > "$stamp"
 fi
-echo "$venv"
+echo "$overlay"

@@ -17,8 +17,8 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "hack" / "testplane"))
-# Test this checkout's code, here and in every process the tests start, whatever the shared
-# venv's editable install points at (the clone that last ran hack/venv.sh).
+# Test this checkout's code, here and in every process the tests start, whatever Python runs
+# them (hack/venv.sh's .venv already imports this clone; another venv may not).
 SOURCES = [str(REPO_ROOT / "workers"), str(REPO_ROOT / "operator")]
 sys.path[:0] = SOURCES
 os.environ["PYTHONPATH"] = os.pathsep.join(
