@@ -251,7 +251,10 @@ def _ms(seconds: float | None) -> str:
     if seconds is None:
         return "n/a"
     ms = seconds * 1000
-    return f"{ms:.0f}ms" if ms >= 1 or ms == 0 else f"{ms:.2g}ms"
+    if ms >= 10 or ms == 0:
+        return f"{ms:.0f}ms"
+    # Small objectives: 4.4ms must not read "4ms is above the objective 4ms".
+    return f"{ms:.3g}ms" if ms >= 1 else f"{ms:.2g}ms"
 
 
 def _round(value: float | None) -> float | None:
@@ -494,6 +497,9 @@ class History:
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     since: float | None = None
     last_scale_up: float | None = None
+    # The signals describe the pool the last scale-up made only from here: the later of that
+    # scale-up and the last evaluation that was still waiting for the pods it added.
+    settle_from: float | None = None
     last_change: float | None = None  # any change of replicas, up or down
     # decode: (sequences per replica, TPOT percentile) of recent evaluations, for fit_tpot
     tpot_points: deque[tuple[float, float]] = field(
@@ -645,9 +651,18 @@ def decide(
                     history.tpot_points.append((batch, sig.latency))
         want, verdict, reason = _from_zero(state, sig) or recommended
         urgency[pool] = want / max(state.replicas, 1)
+        if want < state.min_replicas < state.replicas and verdict == SCALE_DOWN:
+            reason = f"{reason}; to {state.min_replicas}, its minReplicas"
         want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
         starting = state.replicas - state.ready
         unscraped = state.ready - scraped
+        if (
+            (starting > 0 or unscraped > 0)
+            and history.settle_from is not None
+            and now - history.settle_from < settle
+        ):
+            # The pods the last scale-up added are not measured yet: its window starts later.
+            history.settle_from = now
         if (
             verdict == SCALE_UP
             and state.replicas < state.max_replicas
@@ -669,14 +684,22 @@ def decide(
             verdict == SCALE_UP
             and state.replicas < state.max_replicas
             and history.last_scale_up is not None
-            and now - history.last_scale_up < settle
+            and history.settle_from is not None
+            and now - history.settle_from < settle
         ):
             history.add(now, min(want, state.max_replicas), window)
+            ago = now - history.last_scale_up
+            measured = now - history.settle_from
+            why = (
+                f"the last scale-up {ago:.0f}s ago is not in the {settle:.0f}s of metrics yet"
+                if measured >= ago
+                else f"the pods the last scale-up added ({ago:.0f}s ago) are in {measured:.0f}s "
+                f"of the {settle:.0f}s of metrics so far"
+            )
             want, verdict, reason = (
                 state.replicas,
                 SETTLING,
-                f"{reason}; the last scale-up {now - history.last_scale_up:.0f}s ago is not in "
-                f"the {settle:.0f}s of metrics yet: not adding more before it is",
+                f"{reason}; {why}: not adding more before it is",
             )
         else:
             want, verdict, reason = stabilize(
@@ -755,6 +778,7 @@ def _remember_changes(
     for pool, d in decisions.items():
         if d.replicas > d.current:
             histories.setdefault(pool, History()).last_scale_up = now
+            histories[pool].settle_from = now
         if d.replicas != d.current:
             histories.setdefault(pool, History()).last_change = now
 

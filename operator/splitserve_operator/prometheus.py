@@ -104,7 +104,12 @@ class PrometheusReader:
         for pool in ("prefill", "decode"):
             ps = f'{sel},pool="{pool}"'
             # No answer at all (not a sum of zeros): no series has two samples in the window.
-            busy = self.value(f"sum(rate(splitserve_busy_seconds_total{{{ps}}}[{w}]))")
+            # Only the pods reporting now: a pod whose scrape fails (its series go stale) is
+            # taken to carry the others' average, like one not scraped yet, not counted twice.
+            busy = self.value(
+                f"sum(rate(splitserve_busy_seconds_total{{{ps}}}[{w}]) "
+                f"and on(pod) splitserve_requests_running{{{ps}}})"
+            )
             common: dict[str, Any] = dict(
                 reporting=int(self.value(f"count(splitserve_requests_running{{{ps}}})") or 0),
                 busy_series=int(self.value(f"count(splitserve_busy_seconds_total{{{ps}}})") or 0),

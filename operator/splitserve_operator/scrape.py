@@ -186,15 +186,27 @@ class DirectScraper:
             sums.append(sum(last.values()))
         return sum(sums) / len(sums) if sums else 0.0
 
-    def _latest(self, pool: str, sample: str) -> list[float]:
-        """The sample's value on each of the pool's targets in the last round that has it."""
+    def _last_pages(self, pool: str) -> dict[Target, Page]:
+        """The pool's targets asked in the last round, each with its last page: a target that
+        did not answer this round keeps the last page it answered with (one slow scrape is
+        not a pod gone, and its rates still count it), as in _mean_sum."""
         if not self.rounds:
-            return []
+            return {}
         last = self.rounds[-1]
+        out = {t: page for t, page in last.pages.items() if t.pool == pool}
+        for target in last.failed:
+            if target.pool != pool:
+                continue
+            for r in reversed(self.rounds):
+                if target in r.pages:
+                    out[target] = r.pages[target]
+                    break
+        return out
+
+    def _latest(self, pool: str, sample: str) -> list[float]:
+        """The sample's value on each of the pool's targets, from their last pages."""
         return [
-            page[(sample, "")]
-            for target, page in last.pages.items()
-            if target.pool == pool and (sample, "") in page
+            page[(sample, "")] for page in self._last_pages(pool).values() if (sample, "") in page
         ]
 
     def read(self, percentile: float, window_seconds: float) -> dict[str, Signals]:
@@ -240,13 +252,10 @@ class DirectScraper:
 
     def pod_load(self, pool: str) -> dict[str, float]:
         """Sequences each target of a pool holds now (running + waiting), by name."""
-        if not self.rounds:
-            return {}
         return {
             t.name: page.get(("splitserve_requests_running", ""), 0.0)
             + page.get(("splitserve_requests_waiting", ""), 0.0)
-            for t, page in self.rounds[-1].pages.items()
-            if t.pool == pool
+            for t, page in self._last_pages(pool).items()
         }
 
     def limit(self, pool: str, sample: str) -> int:

@@ -188,3 +188,61 @@ def test_up_autoscale_lets_decode_sleep_and_wakes_it_for_a_request(
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+async def test_metrics_gone_for_a_while_hold_like_the_operator(tmp_path: Path) -> None:
+    # Every 2 s, scale-down after 6 s (so the signal window, 8 s, is longer). Decode needs its
+    # 2 workers until t=10; then the router's /metrics does not answer for 6 s, a pause no
+    # longer than the signal window, which does not restart the watch. Without the held sizes
+    # counting as recommendations, the first reading after it (idle) was the whole window's
+    # agreement and decode shrank at once, on one reading after a blind spot.
+    from types import SimpleNamespace
+
+    from splitserve_operator.autoscaler import SCALE_DOWN, STABILIZING, Objectives, Signals
+    from splitserve_operator.prometheus import MetricsError
+    from splitserve_workers.local_scaling import Bounds, LocalAutoscaler
+
+    now = [0.0]
+    busy = Signals(reporting=2, latency=0.04, kv_usage=0.3, running=8)
+    idle = Signals(reporting=2, latency=0.001, kv_usage=0.01, running=0)
+    answer: list[Signals | None] = [busy]
+
+    class Scraper:
+        def scrape(self, targets: object, t: float) -> None:
+            pass
+
+        def read(self, percentile: float, window: float) -> dict[str, Signals]:
+            if answer[0] is None:
+                raise MetricsError("the router's /metrics did not answer")
+            return {"prefill": Signals(reporting=1, latency=0.05, busy=0.3), "decode": answer[0]}
+
+        def limit(self, pool: str, sample: str) -> int:
+            return 8
+
+    auto = LocalAutoscaler(
+        SimpleNamespace(children=[]),  # type: ignore[arg-type]
+        [], tmp_path / "workers.json",
+        {"prefill": Bounds(1, 4), "decode": Bounds(1, 4)},
+        Objectives(0.5, 0.05, 95), interval=2.0, stabilization=6.0,
+        say=lambda line: None, clock=lambda: now[0],
+    )  # fmt: skip
+    auto.scraper = Scraper()  # type: ignore[assignment]
+    auto.act = lambda name, decision: None  # type: ignore[method-assign]
+    child = SimpleNamespace(name="w", port=1, metrics_port=2)
+    auto.adopt("prefill", [child])  # type: ignore[list-item]
+    auto.adopt("decode", [child, child])  # type: ignore[list-item]
+    for t in range(0, 17, 2):
+        now[0] = float(t)
+        answer[0] = busy if t <= 10 else None
+        decisions = await auto.evaluate()
+        assert (decisions is None) == (t > 10)
+    now[0], answer[0] = 18.0, idle
+    decisions = await auto.evaluate()
+    assert decisions is not None
+    assert decisions["decode"].verdict == STABILIZING, decisions["decode"].reason
+    assert "2 replicas were needed within the last 6s" in decisions["decode"].reason
+    # A whole window of idle readings later, it shrinks.
+    for t in (20, 22, 24):
+        now[0] = float(t)
+        decisions = await auto.evaluate()
+    assert decisions is not None and decisions["decode"].verdict == SCALE_DOWN

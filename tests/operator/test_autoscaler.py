@@ -315,6 +315,32 @@ def test_a_breach_is_answered_once_per_signal_window() -> None:
     assert (d.verdict, d.replicas) == (SCALE_UP, 7)
 
 
+def test_a_breach_is_not_answered_again_when_slow_pods_become_ready() -> None:
+    # The pods a scale-up adds take longer to start than the signal window: once they are
+    # ready and scraped, the window still describes the smaller pool, so it settles for a
+    # whole window from then, not from the scale-up.
+    histories: dict[str, History] = {}
+    slow = Signals(reporting=2, latency=0.08, kv_usage=0.3, running=10)
+
+    def decode_at(replicas: int, ready: int, sig: Signals, now: float) -> Decision:
+        return decide(
+            {"prefill": pool("prefill"), "decode": pool("decode", replicas, ready=ready)},
+            {"prefill": steady_prefill(2), "decode": sig},
+            OBJ, histories, now, WINDOW, settle=60.0,
+        )["decode"]  # fmt: skip
+
+    assert decode_at(2, 2, slow, 0.0).replicas == 4
+    for now in (30.0, 60.0, 90.0):
+        assert decode_at(4, 2, slow, now).verdict == WAITING_FOR_PODS
+    slow4 = replace(slow, reporting=4)
+    d = decode_at(4, 4, slow4, 100.0)
+    assert (d.verdict, d.replicas) == ("Settling", 4)
+    assert "the pods the last scale-up added (100s ago) are in 10s of the 60s" in d.reason
+    assert decode_at(4, 4, slow4, 149.0).verdict == "Settling"
+    d = decode_at(4, 4, slow4, 151.0)
+    assert (d.verdict, d.replicas) == (SCALE_UP, 7)
+
+
 def test_verdicts_agree_with_the_replica_count() -> None:
     hot = Signals(reporting=9, latency=0.2, kv_usage=0.5, running=10)
     d = run(pool("prefill"), pool("decode", 9, max_replicas=1, min_replicas=1), dsig=hot)
@@ -991,3 +1017,21 @@ def test_a_failed_evaluation_is_retried_at_the_next_wake(monkeypatch: pytest.Mon
     now[0] = scaling.WAKE_SECONDS
     assert scaler.evaluate("team-a", "chat", state, LOG) == 300.0
     assert kube.objects[("Deployment", "chat-decode")]["spec"]["replicas"] == 3
+
+
+def test_reasons_are_true_to_small_numbers_and_to_minreplicas() -> None:
+    # An objective of a few ms: 4.5ms over 4ms must not read "4ms is above the objective 4ms".
+    obj = Objectives(ttft_seconds=0.2, tpot_seconds=0.004, percentile=95)
+    late = Signals(reporting=1, latency=0.0045, kv_usage=0.1, running=4)
+    d = decide(
+        {"prefill": pool("prefill", 1), "decode": pool("decode", 1)},
+        {"prefill": steady_prefill(1), "decode": late}, obj, {}, 0.0, WINDOW,
+    )["decode"]  # fmt: skip
+    assert (d.verdict, d.replicas) == (SCALE_UP, 2)
+    assert "TPOT p95 4.5ms is above the objective 4ms" in d.reason
+    # Idle: the pool wants 0 but goes to its minReplicas 1, and the reason says so.
+    idle = Signals(reporting=3, kv_usage=0.0)
+    d = run(pool("prefill"), pool("decode", 3), dsig=idle, histories=watched())["decode"]
+    assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
+    assert d.reason.startswith("0 replicas would carry today's load")
+    assert d.reason.endswith("; to 1, its minReplicas")

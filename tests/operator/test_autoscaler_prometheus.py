@@ -14,6 +14,7 @@ import pytest
 import yaml
 from fleet import Fleet
 from operator_process import wait_until
+from splitserve_operator.autoscaler import STEADY, History, Objectives, PoolState, decide
 from splitserve_operator.children import default_hpa_metrics
 from splitserve_operator.keda import queries as keda_queries
 from splitserve_operator.prometheus import MetricsError, PrometheusReader
@@ -208,3 +209,44 @@ def test_keda_trigger_queries_measure_one_service(
     assert decoy["decode-running"] is None and decoy["prefill-utilization"] == pytest.approx(
         0.1, rel=0.3
     )
+
+
+def test_a_pod_whose_scrape_fails_is_not_counted_twice(prometheus: Callable[..., Any]) -> None:
+    # Two prefill pods, each 50% busy. b's /metrics stops answering (a timed-out scrape):
+    # Prometheus marks its series stale, so it no longer reports, but its busy seconds are
+    # still in the window's rate. The decision core takes a ready pod that does not report
+    # to carry the reporting pods' average: busy must then be the reporting pods' only, or
+    # b is counted twice (88% "above the target 70%", waiting for a "new" pod).
+    fleet = Fleet("team-a", "chat", ttft=0.1, tpot=0.02)
+    try:
+        fleet.add_pod("chat-prefill-a", "prefill", busy_fraction=0.5, running=2)
+        b = fleet.add_pod("chat-prefill-b", "prefill", busy_fraction=0.5, running=2)
+        fleet.add_pod("chat-decode-a", "decode", busy_fraction=0.5, running=4)
+        targets = fleet.targets()
+        prom = prometheus(list(targets), scrape_interval="1s", labels=targets)
+        reader = PrometheusReader(prom.url)
+
+        def full() -> Any:
+            s = reader.read("team-a", "chat", 95, window_seconds=10)
+            return s if s["prefill"].reporting == 2 and s["prefill"].busy > 0.8 else None
+
+        wait_until(full, "a window of scrapes of both prefill pods")
+        b.exporter.close()
+
+        def b_stale() -> Any:
+            s = reader.read("team-a", "chat", 95, window_seconds=10)
+            return s if s["prefill"].reporting == 1 else None
+
+        signals = wait_until(b_stale, "b's series to go stale")
+        assert 0.35 < signals["prefill"].busy < 0.6  # a's rate only
+        states = {
+            "prefill": PoolState("prefill", 2, 2, 1, 8),
+            "decode": PoolState("decode", 1, 1, 1, 8, max_batch_size=32),
+        }
+        d = decide(
+            states, signals, Objectives(0.5, 0.05, 95), {"prefill": History()}, 0.0, 300.0,
+            settle=30.0,
+        )["prefill"]  # fmt: skip
+        assert d.verdict == STEADY and 0.35 < d.inputs["utilization"] < 0.6
+    finally:
+        fleet.close()

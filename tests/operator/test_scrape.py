@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from splitserve_operator.autoscaler import STEADY, History, Objectives, PoolState, decide
 from splitserve_operator.prometheus import MetricsError
 from splitserve_operator.scrape import (
     MAX_PAGE_BYTES,
@@ -230,3 +231,37 @@ def test_a_missed_scrape_keeps_the_last_value_and_a_removed_target_stops() -> No
     # d1 is gone (scaled down): no longer asked, no longer counted.
     scraper.add(round_at(2.0, {ROUTER: router, D0: d0}))
     assert scraper.read(95, 10)["decode"].mean_running == pytest.approx((10 + 10 + 4) / 3)
+
+
+def test_a_missed_scrape_is_not_a_missing_pod() -> None:
+    # Two prefill pods, each 50% busy with 2 sequences; p1 times out in the last round. It is
+    # still there with its load: the pool reports 2 pods, not 1 carrying the rate of both
+    # (which the decision core would then spread over "unscraped" pods as well: 100%).
+    router, d0 = Process("router"), Process("decode")
+    p0, p1 = Process("prefill"), Process("prefill")
+    P1 = Target("prefill-1", "prefill", "unused")
+    scraper = DirectScraper(keep=100)
+    for t in (0.0, 5.0, 10.0, 15.0):
+        for p in (p0, p1):
+            p.w.requests_running.labels(**p.labels).set(2)
+            if t:
+                p.w.busy_seconds.labels(**p.labels).inc(2.5)
+        procs = {ROUTER: router, P0: p0, P1: p1, D0: d0}
+        if t < 15.0:
+            scraper.add(round_at(t, procs))
+        else:
+            del procs[P1]
+            scraper.add(Round(t, {k: p.page() for k, p in procs.items()}, frozenset({P1})))
+    sig = scraper.read(95, 20)["prefill"]
+    assert (sig.reporting, sig.busy, sig.running) == (2, pytest.approx(1.0), 4)
+    assert scraper.pod_load("prefill") == {"prefill-0": 2, "prefill-1": 2}
+    states = {
+        "prefill": PoolState("prefill", 2, 2, 1, 8),
+        "decode": PoolState("decode", 1, 1, 1, 8, max_batch_size=8),
+    }
+    d = decide(
+        states, scraper.read(95, 20), Objectives(0.5, 0.05, 95), {"prefill": History()},
+        15.0, 300.0, settle=20.0, source="the autoscaler",
+    )["prefill"]  # fmt: skip
+    assert (d.verdict, d.replicas) == (STEADY, 2)
+    assert d.inputs["utilization"] == 0.5

@@ -30,6 +30,7 @@ from splitserve_operator.autoscaler import (
     RatioBounds,
     Targets,
     decide,
+    hold,
 )
 from splitserve_operator.prometheus import MetricsError
 from splitserve_operator.scrape import ROUTER, DirectScraper, Target
@@ -167,13 +168,6 @@ class LocalAutoscaler:
     async def evaluate(self) -> dict[str, Decision] | None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.scraper.scrape, self.targets(), self.clock())
-        try:
-            signals = self.scraper.read(self.objectives.percentile, self.window)
-        except MetricsError as e:
-            self._say_once("autoscaler", ("unavailable", 0), f"autoscaler: no metrics ({e})")
-            return None
-        if self._said.pop("autoscaler", None):
-            self.say("autoscaler: metrics are back")
         states = {
             name: PoolState(
                 name,
@@ -187,6 +181,16 @@ class LocalAutoscaler:
             )
             for name, pool in self.pools.items()
         }
+        try:
+            signals = self.scraper.read(self.objectives.percentile, self.window)
+        except MetricsError as e:
+            self._say_once("autoscaler", ("unavailable", 0), f"autoscaler: no metrics ({e})")
+            # Unmeasured is not idle: the sizes held count as recommendations (as the
+            # operator's), so a scale-down once metrics are back waits a whole window past them.
+            hold(states, self.histories, self.clock(), self.stabilization, str(e), self.window)
+            return None
+        if self._said.pop("autoscaler", None):
+            self.say("autoscaler: metrics are back")
         decisions = decide(
             states,
             signals,
