@@ -52,6 +52,9 @@ SCALE_DOWN = "ScaleDown"
 STEADY = "Steady"
 STABILIZING = "Stabilizing"
 WAITING_FOR_PODS = "WaitingForPods"
+# How long a scale-up waits for pods that do not become ready (crash-looping, unschedulable)
+# before it adds capacity without them: a Deployment's default progress deadline.
+POD_START_DEADLINE_S = 600.0
 SETTLING = "Settling"
 ROLLING_OUT = "RollingOut"
 NO_METRICS = "NoMetrics"
@@ -501,6 +504,7 @@ class History:
     # scale-up and the last evaluation that was still waiting for the pods it added.
     settle_from: float | None = None
     last_change: float | None = None  # any change of replicas, up or down
+    waiting_since: float | None = None  # since when some pods are not ready (None: all are)
     # decode: (sequences per replica, TPOT percentile) of recent evaluations, for fit_tpot
     tpot_points: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=TPOT_MODEL_POINTS)
@@ -656,8 +660,22 @@ def decide(
         want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
         starting = state.replicas - state.ready
         unscraped = state.ready - scraped
+        if starting <= 0:
+            history.waiting_since = None
+        elif history.waiting_since is None:
+            history.waiting_since = now
+        # Pods not ready past the deadline (a crash loop, no node for them) are not waited
+        # for: the pool would otherwise never grow while its SLO is missed.
+        not_ready_for = 0.0 if history.waiting_since is None else now - history.waiting_since
+        stuck = starting > 0 and not_ready_for >= POD_START_DEADLINE_S
+        if stuck and verdict == SCALE_UP:
+            reason = (
+                f"{reason}; {starting} pods have not become ready in {not_ready_for:.0f}s "
+                f"(the start deadline is {POD_START_DEADLINE_S:.0f}s): adding capacity "
+                "without them"
+            )
         if (
-            (starting > 0 or unscraped > 0)
+            (starting > 0 and not stuck or unscraped > 0)
             and history.settle_from is not None
             and now - history.settle_from < settle
         ):
@@ -666,7 +684,7 @@ def decide(
         if (
             verdict == SCALE_UP
             and state.replicas < state.max_replicas
-            and (starting > 0 or unscraped > 0)
+            and (starting > 0 and not stuck or unscraped > 0)
         ):
             # Pods added earlier are not measured yet: one breach must not be answered twice.
             history.add(now, min(want, state.max_replicas), window)
@@ -779,6 +797,7 @@ def _remember_changes(
         if d.replicas > d.current:
             histories.setdefault(pool, History()).last_scale_up = now
             histories[pool].settle_from = now
+            histories[pool].waiting_since = None  # the pods it adds get a deadline of their own
         if d.replicas != d.current:
             histories.setdefault(pool, History()).last_change = now
 

@@ -15,6 +15,7 @@ from splitserve_operator.autoscaler import (
     AT_MIN,
     GPU_BUDGET,
     NO_METRICS,
+    POD_START_DEADLINE_S,
     RATIO_BOUND,
     RATIO_LIMITED,
     SCALE_DOWN,
@@ -339,6 +340,37 @@ def test_a_breach_is_not_answered_again_when_slow_pods_become_ready() -> None:
     assert decode_at(4, 4, slow4, 149.0).verdict == "Settling"
     d = decode_at(4, 4, slow4, 151.0)
     assert (d.verdict, d.replicas) == (SCALE_UP, 7)
+
+
+def test_pods_that_never_become_ready_block_scale_up_only_until_the_start_deadline() -> None:
+    # One of 3 decode pods crash-loops from the start; the 2 that serve miss the SLO. Waiting
+    # for it forever would leave the SLO missed for good: past the deadline it is not waited
+    # for, and the pods the scale-up adds get a deadline of their own.
+    histories: dict[str, History] = {}
+    slow = Signals(reporting=2, latency=0.08, kv_usage=0.3, running=10)
+
+    def decode_at(replicas: int, ready: int, now: float) -> Decision:
+        return decide(
+            {"prefill": pool("prefill"), "decode": pool("decode", replicas, ready=ready)},
+            {"prefill": steady_prefill(2), "decode": slow},
+            OBJ, histories, now, WINDOW, settle=60.0,
+        )["decode"]  # fmt: skip
+
+    for now in (0.0, 300.0, POD_START_DEADLINE_S - 1):
+        d = decode_at(3, 2, now)
+        assert (d.verdict, d.replicas) == (WAITING_FOR_PODS, 3), d.reason
+    d = decode_at(3, 2, POD_START_DEADLINE_S)
+    assert d.verdict == SCALE_UP and d.replicas > 3, d.reason
+    assert "1 pods have not become ready in 600s" in d.reason
+    grown = d.replicas
+    # The new pods start: they are waited for again, the crash-looping one still is not.
+    d = decode_at(grown, 2, POD_START_DEADLINE_S + 15)
+    assert (d.verdict, d.replicas) == (WAITING_FOR_PODS, grown), d.reason
+    d = decode_at(grown, 2, 2 * POD_START_DEADLINE_S + 15)
+    assert d.verdict == SCALE_UP and d.replicas > grown, d.reason
+    # Every pod ready: the deadline is forgotten; a new pod is waited for from its start.
+    decode_at(grown, grown, 2 * POD_START_DEADLINE_S + 30)
+    assert histories["decode"].waiting_since is None
 
 
 def test_verdicts_agree_with_the_replica_count() -> None:
