@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -190,22 +191,22 @@ def test_up_autoscale_lets_decode_sleep_and_wakes_it_for_a_request(
             proc.wait(timeout=30)
 
 
-async def test_metrics_gone_for_a_while_hold_like_the_operator(tmp_path: Path) -> None:
-    # Every 2 s, scale-down after 6 s (so the signal window, 8 s, is longer). Decode needs its
-    # 2 workers until t=10; then the router's /metrics does not answer for 6 s, a pause no
-    # longer than the signal window, which does not restart the watch. Without the held sizes
-    # counting as recommendations, the first reading after it (idle) was the whole window's
-    # agreement and decode shrank at once, on one reading after a blind spot.
+def scripted_autoscaler(
+    tmp_path: Path,
+    now: list[float],
+    answer: list[Any],
+    decode: int,
+    said: list[str] | None = None,
+    acted: list[tuple[str, int]] | None = None,
+) -> Any:
+    """Local mode's autoscaler on a scripted clock and scripted decode signals (answer[0];
+    None: the router's /metrics does not answer), every 2 s, scale-down after 6 s, with one
+    prefill and `decode` stand-in workers; what it says and what it would do are recorded."""
     from types import SimpleNamespace
 
-    from splitserve_operator.autoscaler import SCALE_DOWN, STABILIZING, Objectives, Signals
+    from splitserve_operator.autoscaler import Objectives, Signals
     from splitserve_operator.prometheus import MetricsError
     from splitserve_workers.local_scaling import Bounds, LocalAutoscaler
-
-    now = [0.0]
-    busy = Signals(reporting=2, latency=0.04, kv_usage=0.3, running=8)
-    idle = Signals(reporting=2, latency=0.001, kv_usage=0.01, running=0)
-    answer: list[Signals | None] = [busy]
 
     class Scraper:
         def scrape(self, targets: object, t: float) -> None:
@@ -224,13 +225,34 @@ async def test_metrics_gone_for_a_while_hold_like_the_operator(tmp_path: Path) -
         [], tmp_path / "workers.json",
         {"prefill": Bounds(1, 4), "decode": Bounds(1, 4)},
         Objectives(0.5, 0.05, 95), interval=2.0, stabilization=6.0,
-        say=lambda line: None, clock=lambda: now[0],
+        say=(said if said is not None else []).append, clock=lambda: now[0],
     )  # fmt: skip
     auto.scraper = Scraper()  # type: ignore[assignment]
-    auto.act = lambda name, decision: None  # type: ignore[method-assign]
+
+    def act(name: str, decision: Any) -> None:
+        if acted is not None:
+            acted.append((name, decision.replicas))
+
+    auto.act = act  # type: ignore[method-assign]
     child = SimpleNamespace(name="w", port=1, metrics_port=2)
     auto.adopt("prefill", [child])  # type: ignore[list-item]
-    auto.adopt("decode", [child, child])  # type: ignore[list-item]
+    auto.adopt("decode", [child] * decode)  # type: ignore[list-item]
+    return auto
+
+
+async def test_metrics_gone_for_a_while_hold_like_the_operator(tmp_path: Path) -> None:
+    # Every 2 s, scale-down after 6 s (so the signal window, 8 s, is longer). Decode needs its
+    # 2 workers until t=10; then the router's /metrics does not answer for 6 s, a pause no
+    # longer than the signal window, which does not restart the watch. Without the held sizes
+    # counting as recommendations, the first reading after it (idle) was the whole window's
+    # agreement and decode shrank at once, on one reading after a blind spot.
+    from splitserve_operator.autoscaler import SCALE_DOWN, STABILIZING, Signals
+
+    now = [0.0]
+    busy = Signals(reporting=2, latency=0.04, kv_usage=0.3, running=8)
+    idle = Signals(reporting=2, latency=0.001, kv_usage=0.01, running=0)
+    answer: list[Signals | None] = [busy]
+    auto = scripted_autoscaler(tmp_path, now, answer, decode=2)
     for t in range(0, 17, 2):
         now[0] = float(t)
         answer[0] = busy if t <= 10 else None
@@ -246,3 +268,27 @@ async def test_metrics_gone_for_a_while_hold_like_the_operator(tmp_path: Path) -
         now[0] = float(t)
         decisions = await auto.evaluate()
     assert decisions is not None and decisions["decode"].verdict == SCALE_DOWN
+
+
+async def test_a_scale_up_after_a_failed_start_is_held_and_said_once(tmp_path: Path) -> None:
+    # A worker failed to start a moment ago: for one window the autoscaler starts no other,
+    # says so once with what it would have done, and does not claim "1 -> 2" meanwhile.
+    from splitserve_operator.autoscaler import Signals
+
+    now = [100.0]
+    late = Signals(reporting=1, latency=0.2, kv_usage=0.3, running=8)
+    said: list[str] = []
+    acted: list[tuple[str, int]] = []
+    auto = scripted_autoscaler(tmp_path, now, [late], decode=1, said=said, acted=acted)
+    auto.pools["decode"].failed_at = 99.0
+    for t in (100.0, 102.0, 104.0):
+        now[0] = t
+        await auto.evaluate()
+    decode_lines = [line for line in said if "autoscale decode" in line]
+    assert len(decode_lines) == 1, said
+    assert "autoscale decode 1 -> 2 held: a worker failed to start" in decode_lines[0]
+    assert "TPOT p95 200ms is above the objective 50ms" in decode_lines[0]
+    assert acted == []
+    now[0] = 99.0 + auto.window + 1  # the backoff is over: it scales up
+    await auto.evaluate()
+    assert acted and acted[-1][0] == "decode" and acted[-1][1] >= 2, said

@@ -191,6 +191,11 @@ class LocalAutoscaler:
             return None
         if self._said.pop("autoscaler", None):
             self.say("autoscaler: metrics are back")
+        # What decide() records of a scale-up, to forget one that is held back (below).
+        remembered = {
+            name: (h.last_scale_up, h.settle_from, h.last_change, h.waiting_since)
+            for name, h in self.histories.items()
+        }
         decisions = decide(
             states,
             signals,
@@ -204,6 +209,13 @@ class LocalAutoscaler:
             targets=self.load_targets,
         )
         for name, decision in decisions.items():
+            if decision.changes and self._backing_off(name, decision):
+                h = self.histories[name]
+                none = (None, None, None, None)
+                h.last_scale_up, h.settle_from, h.last_change, h.waiting_since = remembered.get(
+                    name, none
+                )
+                continue
             if decision.changes:
                 self.say(
                     f"[{time.strftime('%H:%M:%S')}] autoscale {name} {decision.current} -> "
@@ -227,17 +239,26 @@ class LocalAutoscaler:
 
     # ---- acting ----------------------------------------------------------------------------
 
+    def _backing_off(self, name: str, decision: Decision) -> bool:
+        """A scale-up within a window of a worker that failed to start is not carried out
+        (said once per failure, with what it would have done)."""
+        failed_at = self.pools[name].failed_at
+        if decision.replicas <= decision.current or failed_at is None:
+            return False
+        if self.clock() - failed_at >= self.window:
+            return False
+        self._say_once(
+            f"{name}:backoff",
+            ("backoff", round(failed_at)),
+            f"[{time.strftime('%H:%M:%S')}] autoscale {name} {decision.current} -> "
+            f"{decision.replicas} held: a worker failed to start; not starting another for "
+            f"{self.window:g}s ({decision.reason})",
+        )
+        return True
+
     def act(self, name: str, decision: Decision) -> None:
         pool = self.pools[name]
         if decision.replicas > decision.current:
-            if pool.failed_at is not None and self.clock() - pool.failed_at < self.window:
-                self._say_once(
-                    f"{name}:backoff",
-                    ("backoff", round(pool.failed_at)),
-                    f"autoscale {name}: a worker failed to start; not starting another for "
-                    f"{self.window:g}s",
-                )
-                return
             for _ in range(decision.replicas - decision.current):
                 self._spawn(self._start(pool))
         elif decision.replicas < decision.current:
