@@ -70,15 +70,26 @@ class Scheduler:
 
     def schedule(self) -> tuple[ScheduledBatch | None, list[Sequence]]:
         """The next batch, and sequences that can never fit the KV cache (to finish)."""
+        # A sequence preempted once it held more tokens than the whole cache can (its last
+        # token was emitted after the cache's last slot) can never be admitted again: finish it
+        # rather than block the queue behind it forever.
+        grown = [
+            s
+            for s in self.waiting
+            if not s.block_table and self.bm.blocks_for(s.num_tokens) > self.bm.num_blocks
+        ]
+        for seq in grown:
+            self.waiting.remove(seq)
         if self.mixed and self.waiting and self.running:
-            return self._schedule_mixed()
+            batch, too_long = self._schedule_mixed()
+            return batch, grown + too_long
         batch = self._schedule_prefill(self.max_batch_tokens)
         if batch is not None:
-            return batch, []
+            return batch, grown
         batch, too_long = self._schedule_decode()
         if batch is not None and self.speculative_tokens:
             self._draft(batch)
-        return batch, too_long
+        return batch, grown + too_long
 
     def _schedule_mixed(self) -> tuple[ScheduledBatch | None, list[Sequence]]:
         # Running sequences decode first (one token of the budget each); prompt chunks fill
