@@ -8,6 +8,7 @@ import asyncio
 import socket
 from typing import Any
 
+import grpc
 import pytest
 from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.router import openai_api as api
@@ -514,6 +515,111 @@ async def test_prefill_worker_lost_while_waiting_for_decode_blocks_is_replaced()
         async for _ in flow.tokens():
             pass
     assert calls == ["b:1"]
+
+
+class _DecodeAt:
+    """Accepts every reservation and records which worker got it."""
+
+    def __init__(self, name: str, reserves: list[str]) -> None:
+        self.name, self.reserves = name, reserves
+
+    async def Reserve(self, req: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
+        self.reserves.append(self.name)
+        return pb.ReserveResponse(accepted=True, free_blocks=10)
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        return pb.AbortResponse()
+
+
+class _KVTransferFailed:
+    """A Prefill call ending as a prefill worker ends one whose decode worker died or froze
+    mid-transfer: with the decode side's status, "KV transfer to <decode>: ..."."""
+
+    def __init__(self, decode_endpoint: str) -> None:
+        self.decode_endpoint = decode_endpoint
+
+    def __aiter__(self) -> _KVTransferFailed:
+        return self
+
+    async def __anext__(self) -> pb.PrefillEvent:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details=f"KV transfer to {self.decode_endpoint}: Stream removed (ping timeout)",
+        )
+
+    def cancel(self) -> bool:
+        return False
+
+
+class _PrefillKVFailsOnce:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls  # the decode endpoint of each Prefill call
+
+    def Prefill(self, req: pb.PrefillRequest) -> Any:
+        self.calls.append(req.decode_endpoint)
+        if len(self.calls) > 1:
+            raise _Stop
+        return _KVTransferFailed(req.decode_endpoint)
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        return pb.AbortResponse()
+
+
+async def test_kv_transfer_failure_is_the_decode_workers_not_the_prefill_workers() -> None:
+    # A decode worker that dies or freezes mid-transfer fails the Prefill call with its own
+    # status. That must not take the (healthy) prefill worker out of picking: with one prefill
+    # worker the retry found none (the router's /ready went 503 too) until its next Load poll.
+    calls: list[str] = []
+    reserves: list[str] = []
+    prefill = fake_pool("prefill", {"p:1": (64, 64)})
+    prefill.workers["p:1"].stub = _PrefillKVFailsOnce(calls)
+    decode = fake_pool("decode", {"d:1": (64, 64), "e:1": (64, 32)})  # "d:1" is picked first
+    for endpoint, worker in decode.workers.items():
+        worker.stub = _DecodeAt(endpoint, reserves)
+    req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=4), 0)
+    flow = Flow(req, FlowSettings(empty_pool_wait_seconds=0.3), prefill=prefill, decode=decode)
+    try:
+        async for _ in flow.tokens():
+            pass
+    except _Stop:
+        pass
+    except FlowError as e:
+        pytest.fail(f"the retry found no prefill worker: {e.status} {e.message}")
+    assert calls == ["d:1", "e:1"]  # the same prefill worker, another decode worker
+    assert reserves == ["d:1", "e:1"]
+    assert prefill.workers["p:1"].load.healthy and prefill.ready()
+    assert not decode.workers["d:1"].load.healthy
+
+
+class _FrozenThenAbort:
+    """A decode worker that does not answer its first Aborts in time (frozen), then does."""
+
+    def __init__(self, late: int) -> None:
+        self.late, self.calls = late, 0
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        self.calls += 1
+        if self.calls <= self.late:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata()
+            )
+        return pb.AbortResponse(found=True)
+
+
+async def test_abort_to_a_frozen_worker_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A decode worker frozen while a request's KV was on its way completes the reservation when
+    # it resumes; an Abort that timed out meanwhile must be sent again, or the blocks wait for
+    # the lease.
+    from splitserve_workers.router import flow as flow_mod
+
+    monkeypatch.setattr(flow_mod, "ABORT_RETRY_PAUSE_S", 0.01, raising=False)
+    pool = fake_pool("decode", {"d:1": (64, 64)})
+    stub = _FrozenThenAbort(late=3)
+    pool.workers["d:1"].stub = stub
+    await flow_mod._abort(pool.workers["d:1"], "r", 0.1)
+    assert stub.calls == 4
 
 
 def _poll_lands(pool: WorkerPool) -> None:
