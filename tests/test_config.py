@@ -44,6 +44,12 @@ def test_defaults_round_trip_through_yaml() -> None:
         ({"router": {"log_requests": 1}}, "router.log_requests"),
         ({"slo": {"percentile": 100}}, "slo.percentile"),
         ({"slo": {"ttft_seconds": "fast"}}, "slo.ttft_seconds"),
+        # YAML's .nan compares false with every bound, so `value < minimum` let it through.
+        (
+            {"decode": {"reservation_lease_seconds": float("nan")}},
+            "decode.reservation_lease_seconds",
+        ),
+        ({"slo": {"tpot_seconds": float("nan")}}, "slo.tpot_seconds"),
     ],
 )
 def test_invalid_value_names_the_field(data: Any, field: str) -> None:
@@ -72,6 +78,10 @@ def test_unreadable_or_malformed_file_is_a_config_error(tmp_path: Path) -> None:
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match=r"^config: .*bad\.yaml is not valid YAML"):
         ServingConfig.load(bad)
+    binary = tmp_path / "binary.yaml"  # e.g. a model file passed as --config by mistake
+    binary.write_bytes(b"\x00\xff\xfe")
+    with pytest.raises(ConfigError, match=r"^config: .*binary\.yaml is not UTF-8 text"):
+        ServingConfig.load(binary)
 
 
 def test_the_tests_run_this_checkouts_code() -> None:

@@ -85,6 +85,23 @@ def test_unusable_key_file_exits_2_naming_it(
     assert err.startswith("splitserve router: " + message.format(path=path)), err
 
 
+@pytest.mark.parametrize("value", [",", " , ,", "  "])
+def test_env_var_without_a_key_exits_2(
+    value: str, tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # It used to leave the API open, where a keyless --api-key-file exits 2.
+    with pytest.raises(ApiKeyError):  # first: before the fix main() would serve, open
+        ApiKeys(None, value)
+    monkeypatch.setenv("SPLITSERVE_API_KEY", value)
+    args = ["router", "--model", str(tiny_model), "--prefill", "p:1", "--decode", "d:1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitserve router: SPLITSERVE_API_KEY: "), err
+    assert "holds no key" in err
+    assert not ApiKeys(None, "").enabled  # empty: no keys from the environment, as unset
+
+
 # ---- a real router -----------------------------------------------------------------------
 
 

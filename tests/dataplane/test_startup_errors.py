@@ -4,10 +4,12 @@ model loads), a model directory without tokenizer.json, a preset `up` cannot bui
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from splitserve_workers.cli import main
@@ -78,6 +80,47 @@ def test_worker_unloadable_weights_is_one_line(
     args = ["decode", "--model", str(broken), "--port", "0", "--metrics-port", "0"]
     assert main(args) == 1
     one_line_error(capsys, f"splitserve decode: model.path: cannot load {broken}: ")
+
+
+@pytest.mark.parametrize("kind", ["dangling-symlink", "directory"])
+def test_worker_unreadable_weights_file_is_one_line(
+    tiny_model: Path, tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A half-downloaded Hugging Face cache leaves symlinks to blobs that are not there; the
+    # model fingerprint read them before the guarded load and died with a traceback.
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    weights = broken / "model.safetensors"
+    weights.unlink()
+    if kind == "directory":
+        weights.mkdir()
+    else:
+        weights.symlink_to(tmp_path / "no-such-blob")
+    args = ["prefill", "--model", str(broken), "--port", "0", "--metrics-port", "0"]
+    assert main(args) == 1
+    line = one_line_error(capsys, "splitserve prefill: model.path: cannot read ")
+    assert "model.safetensors" in line
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda cfg: cfg.pop("num_hidden_layers"), "'num_hidden_layers' is missing"),
+        (lambda cfg: cfg.update(num_attention_heads=None), "TypeError"),
+    ],
+)
+def test_router_incomplete_model_config_exits_2(
+    tiny_model: Path, tmp_path: Path, change: Any, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    change(cfg)
+    (broken / "config.json").write_text(json.dumps(cfg))
+    args = ["router", "--model", str(broken), "--host", "127.0.0.1", "--port", "0"]
+    assert main([*args, "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]) == 2
+    line = one_line_error(capsys, "splitserve router: config.json: ")
+    assert needle in line
 
 
 def test_up_port_in_use_exits_2_before_starting(

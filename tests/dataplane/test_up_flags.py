@@ -125,6 +125,35 @@ def test_autoscale_durations_must_be_finite(
     assert capsys.readouterr().err == f"splitserve up: {message}\n"
 
 
+def test_bad_device_exits_2_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    # Checked on the flags alone: before, `up` started the stack and every worker refused it.
+    import argparse
+
+    from splitserve_workers.local import _check_counts, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exit_:
+        _check_counts(parser.parse_args(["--device", "tpu"]))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("splitserve up: --device: 'tpu' is not one of")
+    _check_counts(parser.parse_args(["--device", "cuda:1"]))  # well-formed: the workers decide
+
+
+def test_cache_that_is_a_file_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "cache"
+    cache.write_text("not a directory")
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(cache))
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--port", "0"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitserve up: SPLITSERVE_CACHE: cannot create "), err
+    assert "Traceback" not in err
+
+
 def test_model_without_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["up", "--model", str(tmp_path)])

@@ -31,6 +31,12 @@ def model_dir(tmp_path: Path) -> Path:
         (["--dtype", "int4"], "dtype"),
         (["--device", "tpu"], "device"),
         (["--lease-seconds", "0"], "lease_seconds"),
+        # inf failed every Reserve (int(inf) for lease_ms) and leaked its blocks; nan never
+        # expired a lease; nan as the drain timeout cut every stream at once.
+        (["--lease-seconds", "inf"], "lease_seconds"),
+        (["--lease-seconds", "nan"], "lease_seconds"),
+        (["--lease-seconds", "1e300"], "lease_seconds"),
+        (["--drain-timeout", "nan"], "drain_timeout"),
     ],
 )
 @pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])

@@ -127,3 +127,44 @@ def test_big_presets_have_the_advertised_shapes() -> None:
     assert 50e6 <= params("small") <= 100e6
     assert 0.45e9 <= params("qwen-0.5b") <= 0.55e9
     assert 7.9e9 <= params("llama-8b") <= 8.1e9
+
+
+def test_rewriting_a_directory_leaves_no_stale_weights(tmp_path: Path) -> None:
+    # The loader prefers model.safetensors.index.json: a sharded model rewritten as one file
+    # (or with another seed) used to keep serving the old shards through the old index.
+    out = tmp_path / "m"
+    write_model("tiny-llama", out, seed=1, shard_bytes=100_000)
+    assert (out / "model.safetensors.index.json").exists()
+    write_model("tiny-llama", out, seed=2)
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+    fresh = write_model("tiny-llama", tmp_path / "fresh", seed=2)
+    prompt = list(range(10, 30))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    rewritten = LLMEngine(EngineConfig(model=str(out), device="cpu"))
+    clean = LLMEngine(EngineConfig(model=str(fresh), device="cpu"))
+    assert rewritten.generate([prompt], params) == clean.generate([prompt], params)
+
+
+def test_cli_unusable_device_or_seed_exits_2_writing_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has the MPS backend")
+    out = tmp_path / "m"
+    # A valid device name this machine lacks failed at the first weight, after config.json and
+    # tokenizer.json were written: a directory the workers' start-up checks took for a model.
+    assert (
+        cli_main(["make-model", "--preset", "tiny-llama", "--out", str(out), "--device", "mps"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("splitserve make-model: --device: mps is not usable here: "), err
+    assert "Traceback" not in err and not out.exists()
+    assert (
+        cli_main(["make-model", "--preset", "tiny-llama", "--out", str(out), "--seed", str(2**64)])
+        == 2
+    )
+    assert capsys.readouterr().err.startswith("splitserve make-model: --seed: ")
+    assert not out.exists()

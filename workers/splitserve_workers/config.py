@@ -113,7 +113,7 @@ class ServingConfig:
                 f"maximum {MAX_SPECULATIVE_TOKENS}"
             )
         for name, value, minimum in checks:
-            if value < minimum:
+            if not value >= minimum:  # nan too (YAML's .nan): every comparison with it is false
                 raise ConfigError(f"{name}: {value} is below the minimum {minimum}")
         # 0 asks the OS for a free port (local mode and tests).
         for name in ("prefill.port", "decode.port", "router.port"):
@@ -171,6 +171,10 @@ class ServingConfig:
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"config: cannot read {path}: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config: {path} is not UTF-8 text: {e.reason} at byte {e.start}"
+            ) from e
         try:
             return cls.from_yaml(text)
         except yaml.YAMLError as e:

@@ -84,9 +84,12 @@ def ensure_model(model: str | None, preset: str = DEFAULT_PRESET) -> Path:
     path = cache_dir() / preset
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=path.parent))
+    except OSError as e:  # SPLITSERVE_CACHE names a file, a read-only place, ...
+        raise _usage_error(f"SPLITSERVE_CACHE: cannot create {path.parent}: {e.strerror}") from None
     print(f"building the {preset} model once into {path} ...", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=path.parent))
     try:
         built = subprocess.run(splitserve_cmd("make-model", "--preset", preset, "--out", str(tmp)))
         if built.returncode != 0:  # make-model has printed why (e.g. an unknown preset)
@@ -691,6 +694,10 @@ def _check_counts(args: argparse.Namespace) -> tuple[int, int, int]:
         raise _usage_error(f"--max-restarts: {args.max_restarts} must be >= 0")
     if not args.liveness_timeout >= 0:  # NaN too
         raise _usage_error(f"--liveness-timeout: {args.liveness_timeout} must be >= 0")
+    device = args.device
+    if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+        # Every worker would refuse it after importing torch; `up` exited 1 with one's log.
+        raise _usage_error(f"--device: {device!r} is not one of auto, cpu, cuda, cuda:N")
     spec = args.speculative_tokens
     if spec is not None and not 0 <= spec <= MAX_SPECULATIVE_TOKENS:
         raise _usage_error(f"--speculative-tokens: {spec} not in [0, {MAX_SPECULATIVE_TOKENS}]")

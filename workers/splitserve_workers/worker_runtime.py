@@ -30,6 +30,8 @@ from splitserve_workers.worker_http import WorkerMetricsUpdater, WorkerStatus, s
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9100
+# A reservation lease beyond a day is a typo; ReserveResponse.lease_ms is an int64.
+MAX_LEASE_SECONDS = 86400.0
 
 
 class StartupError(Exception):
@@ -142,14 +144,17 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
     for name in ("max_batch_tokens", "max_batch_size", "block_size", "kv_cache_memory_bytes"):
         if getattr(settings, name) < 1:
             raise ConfigError(f"{name}: {getattr(settings, name)} must be at least 1")
-    if settings.lease_s <= 0:
-        raise ConfigError(f"lease_seconds: {settings.lease_s} must be positive")
+    # Finite too: nan never expires a lease, and inf (or past int64 ms) fails every Reserve.
+    if not 0 < settings.lease_s <= MAX_LEASE_SECONDS:
+        raise ConfigError(
+            f"lease_seconds: {settings.lease_s} must be in (0, {MAX_LEASE_SECONDS:g}]"
+        )
     # Checked before anything binds or loads, so a bad flag exits 2 with its name instead of
     # failing later with a traceback (port) or after the model load (engine settings).
     for name in ("port", "metrics_port"):
         if not 0 <= getattr(settings, name) <= 65535:
             raise ConfigError(f"{name}: {getattr(settings, name)} must be in [0, 65535]")
-    if settings.drain_timeout_s < 0:
+    if not settings.drain_timeout_s >= 0:  # nan too: it would cut every stream at once
         raise ConfigError(f"drain_timeout: {settings.drain_timeout_s} must be >= 0")
     if settings.threads is not None and settings.threads < 1:
         raise ConfigError(f"threads: {settings.threads} must be at least 1")
@@ -266,7 +271,12 @@ def setup_logging() -> None:
 
 async def serve(settings: WorkerSettings, make_role: Any) -> int:
     """Run one worker until SIGTERM/SIGINT, then drain and return the exit code (0)."""
-    worker = Worker(settings)
+    try:
+        worker = Worker(settings)  # reads config.json and every *.safetensors for the fingerprint
+    except OSError as e:  # a dangling symlink (a half-downloaded cache), a directory, no access
+        where = e.filename or settings.model_dir
+        reason = e.strerror or str(e)
+        raise StartupError(f"model.path: cannot read {where}: {reason}") from e
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +252,10 @@ def tensor_plan(p: Preset, vocab_size: int) -> list[tuple[str, tuple[int, ...], 
     return plan
 
 
+# The weight files write_model itself names (one file, or shards with an index).
+_OWN_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
 def write_model(
     preset_name: str,
     out: str | Path,
@@ -273,6 +278,11 @@ def write_model(
         p = Preset(**{**p.__dict__, "dtype": dtype})
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # Weights an earlier run left here (another seed, preset or shard size) go first: the loader
+    # prefers model.safetensors.index.json, so a stale index would serve the old shards.
+    for old in out.iterdir():
+        if _OWN_WEIGHTS.fullmatch(old.name):
+            old.unlink()
 
     add_bos = p.arch in ("llama", "mistral")
     tok = build_tokenizer(p.bpe_vocab, add_bos)
@@ -374,10 +384,18 @@ def run(args: argparse.Namespace) -> int:
     error = None
     if args.shard_size_mb < 1:
         error = f"--shard-size-mb: {args.shard_size_mb} must be at least 1"
+    if not -(1 << 63) <= args.seed < (1 << 64):
+        error = f"--seed: {args.seed} does not fit in 64 bits"
     try:
         torch.device(args.device)
     except RuntimeError:
         error = f"--device: {args.device!r} is not a torch device (cpu, cuda, cuda:N)"
+    else:
+        try:  # a well-formed name on a machine without that device: before anything is written
+            torch.Generator(device=args.device)
+        except RuntimeError as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = f"--device: {args.device} is not usable here: {reason}"
     if Path(args.out).exists() and not Path(args.out).is_dir():
         error = f"--out: {args.out} exists and is not a directory"
     if error:

@@ -157,7 +157,18 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config.json: not valid JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json: expected a JSON object, got {type(cfg).__name__}")
+        try:
+            return cls.from_dict(cfg)
+        except KeyError as e:  # a key every supported architecture's config.json has
+            raise ValueError(f"config.json: {e.args[0]!r} is missing") from e
+        except (TypeError, AttributeError) as e:  # null or a list where a number or map belongs
+            raise ValueError(f"config.json: {type(e).__name__}: {e}") from e
 
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim

@@ -53,6 +53,10 @@ class ApiKeys:
         self._stamp: tuple[int, int, int] | None = None  # (inode, size, mtime_ns) last read
         self._checked = 0.0
         self._complained = False
+        if env and not self._env_keys:
+            # Set to something (",", " ") that holds no key: refused, as a keyless file is,
+            # rather than serving the API open. An empty value stays "no keys from here".
+            raise ApiKeyError(f"{ENV_VAR}: {env!r} holds no key (comma-separated keys)")
         for key in self._env_keys:
             if len(key) > MAX_KEY_BYTES:
                 raise ApiKeyError(f"{ENV_VAR}: a key is longer than {MAX_KEY_BYTES} bytes")
