@@ -156,7 +156,7 @@ def test_cache_that_is_a_file_exits_2(
 
 def test_model_without_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
-        main(["up", "--model", str(tmp_path)])
+        main(["up", "--model", str(tmp_path), "--port", "0"])  # 8000 may be taken
     assert exit_.value.code == 2
     assert "--model: " in capsys.readouterr().err
 
