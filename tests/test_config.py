@@ -76,12 +76,31 @@ def test_unreadable_or_malformed_file_is_a_config_error(tmp_path: Path) -> None:
         ServingConfig.load(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"^config: .*bad\.yaml is not valid YAML"):
+    with pytest.raises(
+        ConfigError, match=r"^config: .*bad\.yaml is not valid YAML: .*\(line 2"
+    ) as e:
         ServingConfig.load(bad)
+    assert "\n" not in str(e.value)  # one line, not PyYAML's excerpt
     binary = tmp_path / "binary.yaml"  # e.g. a model file passed as --config by mistake
     binary.write_bytes(b"\x00\xff\xfe")
     with pytest.raises(ConfigError, match=r"^config: .*binary\.yaml is not UTF-8 text"):
         ServingConfig.load(binary)
+    twice = tmp_path / "twice.yaml"  # the second section would silently replace the first
+    twice.write_text("decode:\n  max_batch_size: 8\nprefill:\n  port: 1\ndecode:\n  port: 2\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"twice\.yaml is not valid YAML: the key 'decode' is given twice "
+        r"\(line 5, column 1\)$",
+    ):
+        ServingConfig.load(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("decode:\n  port: 1\n  port: 2\n")
+    with pytest.raises(ConfigError, match=r"'port' is given twice"):
+        ServingConfig.load(nested)
+    anchors = tmp_path / "anchors.yaml"  # merge keys still work, and a key written wins
+    anchors.write_text("prefill: &w {port: 7001}\ndecode: {<<: *w, port: 7002}\n")
+    config = ServingConfig.load(anchors)
+    assert (config.prefill.port, config.decode.port) == (7001, 7002)
 
 
 def test_the_tests_run_this_checkouts_code() -> None:

@@ -163,7 +163,7 @@ class ServingConfig:
 
     @classmethod
     def from_yaml(cls, text: str) -> ServingConfig:
-        return cls.from_dict(yaml.safe_load(text) or {})
+        return cls.from_dict(yaml.load(text, Loader=_StrictLoader) or {})
 
     @classmethod
     def load(cls, path: str | Path) -> ServingConfig:
@@ -177,8 +177,42 @@ class ServingConfig:
             ) from e
         try:
             return cls.from_yaml(text)
+        except yaml.MarkedYAMLError as e:  # one line: what is wrong, and where
+            mark = e.problem_mark
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            raise ConfigError(f"config: {path} is not valid YAML: {e.problem}{where}") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"config: {path} is not valid YAML: {e}") from e
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping: YAML's default keeps
+    the last one silently, so a second `decode:` section dropped the first one's settings."""
+
+
+def _mapping_without_repeats(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys written here win
+            continue
+        key = loader.construct_object(key_node)
+        try:
+            repeated = key in seen
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        if repeated:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark,
+                f"the key {key!r} is given twice", key_node.start_mark,
+            )  # fmt: skip
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _mapping_without_repeats,  # type: ignore[arg-type]
+)
 
 
 def _kind(value: Any) -> str:
