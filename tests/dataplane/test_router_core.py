@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 from splitserve_workers.proto import serving_pb2 as pb
+from splitserve_workers.protocol import kv_transfer_failed
 from splitserve_workers.router import openai_api as api
 from splitserve_workers.router.detok import IncrementalDetokenizer
 from splitserve_workers.router.discovery import DnsDiscovery, StaticDiscovery, split_endpoints
@@ -533,7 +534,7 @@ class _DecodeAt:
 
 class _KVTransferFailed:
     """A Prefill call ending as a prefill worker ends one whose decode worker died or froze
-    mid-transfer: with the decode side's status, "KV transfer to <decode>: ..."."""
+    mid-transfer: with the decode side's status (protocol.kv_transfer_failed)."""
 
     def __init__(self, decode_endpoint: str) -> None:
         self.decode_endpoint = decode_endpoint
@@ -546,7 +547,7 @@ class _KVTransferFailed:
             grpc.StatusCode.UNAVAILABLE,
             grpc.aio.Metadata(),
             grpc.aio.Metadata(),
-            details=f"KV transfer to {self.decode_endpoint}: Stream removed (ping timeout)",
+            details=kv_transfer_failed(self.decode_endpoint, "Stream removed (ping timeout)"),
         )
 
     def cancel(self) -> bool:

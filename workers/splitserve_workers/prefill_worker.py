@@ -27,6 +27,7 @@ from splitserve_workers.kv_transfer import (
 )
 from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.proto import serving_pb2_grpc as pb_grpc
+from splitserve_workers.protocol import kv_transfer_failed
 
 log = logging.getLogger(__name__)
 
@@ -171,14 +172,14 @@ class PrefillRole:
             sender.finish_incomplete()
             if transfer.done() and transfer.exception() is not None:
                 code, details = _rpc_error_status(transfer.exception())  # type: ignore[arg-type]
-                await context.abort(code, f"KV transfer to {request.decode_endpoint}: {details}")
+                await context.abort(code, kv_transfer_failed(request.decode_endpoint, details))
             yield pb.PrefillEvent(first_token=first)
             try:
                 result = await transfer
             except Exception as e:  # noqa: BLE001 - grpc.RpcError or a cancelled call
                 code, details = _rpc_error_status(e)
                 finished = True
-                await context.abort(code, f"KV transfer to {request.decode_endpoint}: {details}")
+                await context.abort(code, kv_transfer_failed(request.decode_endpoint, details))
                 return
             finished = True
             yield pb.PrefillEvent(

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from splitserve_workers.proto import serving_pb2
+from splitserve_workers.protocol import kv_transfer_failed_to
 from splitserve_workers.router.picking import (
     DecodeClaim,
     PromptKey,
@@ -622,17 +623,15 @@ class Flow:
                         grpc.StatusCode.INTERNAL,
                         grpc.StatusCode.UNKNOWN,
                     )
-                    # The prefill worker relays a failed KV stream as "KV transfer to <decode
-                    # endpoint>: <the decode side's status>": the decode worker died or froze
+                    # The prefill worker relays a failed KV stream with the decode side's
+                    # status (protocol.kv_transfer_failed): the decode worker died or froze
                     # mid-transfer. Taking the prefill worker out of picking (and forgetting
                     # its prefix cache) for that left a pool whose every worker had pushed KV
                     # to the failed decode worker with none to retry on.
                     kv_side = (
                         isinstance(e, grpc.aio.AioRpcError)
                         and decode is not None
-                        and (e.details() or "").startswith(
-                            f"KV transfer to {decode.load.endpoint}:"
-                        )
+                        and kv_transfer_failed_to(e.details() or "", decode.load.endpoint)
                     )
                     if kv_side:
                         assert decode is not None
