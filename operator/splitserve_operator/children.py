@@ -20,6 +20,7 @@ from .names import (
     PREFILL_PORT,
     child_name,
     common_labels,
+    config_map_name,
     selector_labels,
 )
 from .podtemplate import pod_template
@@ -42,14 +43,17 @@ def _meta(name: str, namespace: str, labels: dict[str, str], owner: dict[str, An
     return {"name": name, "namespace": namespace, "labels": labels, "ownerReferences": [owner]}
 
 
-def config_map(service: str, namespace: str, text: str, owner: dict[str, Any]) -> dict[str, Any]:
+def config_map(
+    service: str, namespace: str, text: str, digest: str, owner: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(
-            child_name(service, "config"), namespace, common_labels(service, "config"), owner
+            config_map_name(service, digest), namespace, common_labels(service, "config"), owner
         ),
         "data": {CONFIG_KEY: text},
+        "immutable": True,
     }
 
 
@@ -316,7 +320,7 @@ def desired_children(
     text = serving_config(spec, service, namespace, config.cluster_domain).to_yaml()
     digest = config_hash(text)
     image = spec.image or config.worker_image
-    objects: list[dict[str, Any]] = [config_map(service, namespace, text, owner)]
+    objects: list[dict[str, Any]] = [config_map(service, namespace, text, digest, owner)]
     objects.append(router_service(service, namespace, spec, owner))
     objects += [pool_service(c, service, namespace, owner) for c in ("prefill", "decode")]
     objects += [deployment(c, service, namespace, spec, image, digest, owner) for c in POOLS]
@@ -356,3 +360,47 @@ def unwanted_children(
             (*POD_MONITOR, child_name(service, "workers")),
         ]
     return unwanted
+
+
+def mounted_config_maps(pod_spec: dict[str, Any]) -> set[str]:
+    """The ConfigMaps a pod spec mounts, directly or in a projected volume."""
+    names: set[str] = set()
+    for volume in pod_spec.get("volumes") or []:
+        if ref := volume.get("configMap"):
+            names.add(str(ref.get("name")))
+        for source in (volume.get("projected") or {}).get("sources") or []:
+            if ref := source.get("configMap"):
+                names.add(str(ref.get("name")))
+    return names
+
+
+def superseded_configs(
+    config_maps: list[dict[str, Any]],
+    uid: str,
+    deployments: list[dict[str, Any]],
+    replica_sets: list[dict[str, Any]],
+    pods: list[dict[str, Any]],
+) -> list[str]:
+    """The config ConfigMaps of the LLMService with this uid that nothing can mount any more:
+    not a Deployment's template, not a ReplicaSet that still has or wants pods (a rollout's old
+    side, which may yet replace a pod), not a pod that exists. Each config version is its own
+    immutable ConfigMap, so these pile up with every config change unless collected. Empty
+    ReplicaSets (the rollout history) do not keep theirs: the operator owns the template, and a
+    `kubectl rollout undo` to one is reverted at the next reconcile anyway. With no Deployment
+    at all (being created, or deleted and about to be repaired) nothing is judged."""
+    if not deployments:
+        return []
+    in_use: set[str] = set()
+    for deployment in deployments:
+        in_use |= mounted_config_maps(deployment["spec"]["template"].get("spec") or {})
+    for rs in replica_sets:
+        if (rs.get("spec") or {}).get("replicas") or (rs.get("status") or {}).get("replicas"):
+            in_use |= mounted_config_maps(rs["spec"]["template"].get("spec") or {})
+    for pod in pods:
+        in_use |= mounted_config_maps(pod.get("spec") or {})
+    return sorted(
+        str(cm["metadata"]["name"])
+        for cm in config_maps
+        if any(o.get("uid") == uid for o in cm["metadata"].get("ownerReferences") or [])
+        and cm["metadata"]["name"] not in in_use
+    )

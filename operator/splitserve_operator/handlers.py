@@ -21,11 +21,11 @@ import kopf
 from splitserve_workers.config import ConfigError
 
 from . import GROUP, PLURAL, VERSION
-from .children import HPA, desired_children, unwanted_children
+from .children import HPA, desired_children, superseded_configs, unwanted_children
 from .config import OperatorConfig
 from .keda import SCALED_OBJECT, SCALED_OBJECTS_PLURAL, keda_hpa_name, keda_problem
 from .kube import Kube, KubeError, Ref
-from .names import MANAGED_BY, child_name, selector_labels
+from .names import APP, MANAGED_BY, child_name, selector_labels
 from .reconcile import ChildConflict, apply_children
 from .scaling import WAKE_SECONDS, Scaler, ScalerState
 from .spec import POOLS, Spec, SpecError, parse_spec
@@ -227,6 +227,7 @@ class Operator:
             if problem:
                 self.warn(body, *problem)
         self.write_status(namespace, name, applied_generation=generation)
+        self.retire_configs_quietly(namespace, name, meta["uid"], logger)
 
     def repair(
         self, namespace: str, service: str, uid: str, logger: logging.Logger | kopf.Logger
@@ -340,6 +341,65 @@ class Operator:
                     raise
             deleted.append(str(ref))
         return deleted
+
+    def retire_configs(self, namespace: str, service: str, uid: str) -> list[str]:
+        """Delete this LLMService's config ConfigMaps that no Deployment, live ReplicaSet or pod
+        mounts any more (children.superseded_configs); returns what went. Under the LLMService's
+        lock, so never between a reconcile's creating a new one and its Deployments' naming it.
+        One list call when there is only the current one: it runs on every Deployment event."""
+        with self._serialized(namespace, service):
+            maps = self.kube.list_objects("v1", "configmaps", namespace,
+                                          selector_labels(service, "config"))  # fmt: skip
+            if len(maps) <= 1:
+                return []
+            instance = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": service}
+            users = {
+                plural: self.kube.list_objects(group, plural, namespace, instance)
+                for group, plural in (
+                    ("apps/v1", "deployments"),
+                    ("apps/v1", "replicasets"),
+                    ("v1", "pods"),
+                )
+            }
+            stale = superseded_configs(
+                maps, uid, users["deployments"], users["replicasets"], users["pods"]
+            )
+            deleted = []
+            for name in stale:
+                ref = Ref("v1", "ConfigMap", namespace, name)
+                live = next(m for m in maps if m["metadata"]["name"] == name)
+                options = {"preconditions": {"uid": live["metadata"]["uid"]}}
+                try:
+                    self.kube.request("DELETE", ref.path(), body=options)
+                except KubeError as e:
+                    if e.status not in (404, 409):
+                        raise
+                    continue
+                deleted.append(str(ref))
+            return deleted
+
+    def retire_configs_quietly(
+        self, namespace: str, service: str, uid: str, logger: logging.Logger | kopf.Logger
+    ) -> None:
+        """retire_configs with an Event on the LLMService; a failure (an older ClusterRole
+        without list/delete on configmaps, an API error) only costs a log line: the ConfigMaps
+        wait for the next try."""
+        try:
+            deleted = self.retire_configs(namespace, service, uid)
+        except KubeError as e:
+            logger.warning(f"cannot collect superseded config ConfigMaps: {e}")
+            return
+        if deleted:
+            body = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "LLMService",
+                "metadata": {"name": service, "namespace": namespace, "uid": uid},
+            }
+            kopf.info(
+                kopf.Body(cast(kopf.RawBody, body)),
+                reason="Deleted",
+                message=f"deleted {', '.join(deleted)}: a superseded config no pod uses",
+            )
 
     def _fault(self, namespace: str, service: str, reason: str, message: str) -> None:
         with self._lock:
@@ -512,6 +572,9 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
         elif body.get("kind") in ("Deployment", "HorizontalPodAutoscaler"):
             # Pods became (un)ready, or the HPA controller changed its mind.
             operator.write_status(namespace, service)
+            if body.get("kind") == "Deployment":
+                # A rollout that moved on may have left a config version no pod uses.
+                operator.retire_configs_quietly(namespace, service, uid, logger)
 
     # kopf adds default login handlers only to its global registry; this one is our own.
     kopf.on.login(registry=registry)(kopf.login_via_client)

@@ -22,6 +22,13 @@ def child_name(service: str, component: str) -> str:
     return f"{service}-{component}"
 
 
+def config_map_name(service: str, digest: str) -> str:
+    """One version of the serving config: named by its content hash (the pod template's
+    config-hash annotation) and immutable, so a pod always reads the config its template was
+    made with, even when it restarts in the middle of a rollout to a newer one."""
+    return f"{child_name(service, 'config')}-{digest}"
+
+
 def selector_labels(service: str, component: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": APP,

@@ -15,8 +15,8 @@ from .names import (
     DECODE_PORT,
     METRICS_PORT,
     PREFILL_PORT,
-    child_name,
     common_labels,
+    config_map_name,
     selector_labels,
 )
 from .spec import Spec
@@ -154,10 +154,11 @@ def topology_spread(component: str, service: str, spec: Spec) -> list[dict[str, 
     ]
 
 
-def config_volume(component: str, service: str, spec: Spec) -> dict[str, Any]:
-    """The ConfigMap with the serving config; for a router with API keys, projected together
-    with the Secret's key file (kubelet updates both in place, which is how keys rotate)."""
-    config_map = {"name": child_name(service, "config")}
+def config_volume(component: str, service: str, spec: Spec, digest: str) -> dict[str, Any]:
+    """The ConfigMap with this version of the serving config; for a router with API keys,
+    projected together with the Secret's key file (kubelet updates the Secret in place, which is
+    how keys rotate; the ConfigMap is immutable)."""
+    config_map = {"name": config_map_name(service, digest)}
     secret = spec.router.settings.get("apiKeySecret") if component == "router" else None
     if secret is None:
         return {"name": "config", "configMap": config_map}
@@ -179,7 +180,7 @@ def pod_template(
     pool = spec.pool(component)
     volumes, mounts = model_volume(spec)
     volumes = [
-        config_volume(component, service, spec),
+        config_volume(component, service, spec, config_hash),
         {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
         *volumes,
     ]

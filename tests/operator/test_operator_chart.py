@@ -143,11 +143,14 @@ def test_rbac_has_no_wildcards_and_covers_what_the_operator_writes(
     assert allowed("", "events") == {"create"}
     assert not allowed("events.k8s.io", "events")  # kopf posts core/v1 Events only
     # What the operator deletes: HPAs and ScaledObjects it made, when an LLMService leaves
-    # mode HPA or KEDA, and its monitors, when an LLMService sets monitoring.enabled false
-    # (the garbage collector removes every other child with its owner).
+    # mode HPA or KEDA, its monitors, when an LLMService sets monitoring.enabled false, and
+    # superseded config versions no pod mounts (the garbage collector removes every other
+    # child with its owner). Which versions a rollout still needs: its ReplicaSets, read only.
+    assert allowed("apps", "replicasets") == {"list"}
     deletable = {(g, res) for r in rules if "delete" in r["verbs"]
                  for g in r["apiGroups"] for res in r["resources"]}  # fmt: skip
     assert deletable == {
+        ("", "configmaps"),
         ("autoscaling", "horizontalpodautoscalers"),
         ("keda.sh", "scaledobjects"),
         ("monitoring.coreos.com", "servicemonitors"),

@@ -7,7 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from splitserve_operator.children import desired_children, unwanted_children
+from splitserve_operator.children import (
+    desired_children,
+    superseded_configs,
+    unwanted_children,
+)
 from splitserve_operator.config import OperatorConfig
 from splitserve_operator.names import CONFIG_HASH_ANNOTATION
 from splitserve_operator.podtemplate import container_args
@@ -58,10 +62,20 @@ def build(spec: dict[str, Any] = SPEC, served: bool = False, **config: Any) -> d
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 
+def config_map(objs: dict) -> dict[str, Any]:
+    """The one ConfigMap among built children (its name carries the config's hash)."""
+    (cm,) = [o for (kind, _), o in objs.items() if kind == "ConfigMap"]
+    return cm  # type: ignore[no-any-return]
+
+
+def config_map_name(objs: dict) -> str:
+    return str(config_map(objs)["metadata"]["name"])
+
+
 def test_every_child_has_owner_reference_and_common_labels() -> None:
     objs = build(served=True)
     assert set(objs) == {
-        ("ConfigMap", "chat-config"),
+        ("ConfigMap", config_map_name(objs)),
         ("Service", "chat-router"),
         ("Service", "chat-prefill"),
         ("Service", "chat-decode"),
@@ -146,7 +160,7 @@ def test_hpas_and_scaled_objects_are_ruled_out_outside_their_mode() -> None:
 
 
 def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
-    text = build()[("ConfigMap", "chat-config")]["data"]["config.yaml"]
+    text = config_map(build())["data"]["config.yaml"]
     config = ServingConfig.from_yaml(text)
     assert config.service == "chat"
     assert config.model.path == "/models/tiny-llama" and config.model.dtype == "float32"
@@ -160,14 +174,14 @@ def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
     assert config.router.log_requests is False
     spec = copy.deepcopy(SPEC)
     spec["router"] = {"logRequests": True}
-    text = build(spec)[("ConfigMap", "chat-config")]["data"]["config.yaml"]
+    text = config_map(build(spec))["data"]["config.yaml"]
     assert ServingConfig.from_yaml(text).router.log_requests is True
     spec["router"] = {"logRequests": "yes"}  # stored before the schema (which refuses it)
     with pytest.raises(SpecError, match=r"^spec\.router\.logRequests: "):
         parse_spec(spec)
     assert config.router.tool_call_parser == "auto"
     spec["router"] = {"toolCallParser": "hermes", "reasoningParser": "qwen3"}
-    text = build(spec)[("ConfigMap", "chat-config")]["data"]["config.yaml"]
+    text = config_map(build(spec))["data"]["config.yaml"]
     router = ServingConfig.from_yaml(text).router
     assert (router.tool_call_parser, router.reasoning_parser) == ("hermes", "qwen3")
     spec["router"] = {"toolCallParser": "xml"}
@@ -268,7 +282,8 @@ def test_worker_container_contract(component: str, args: list[str]) -> None:
     assert mounts["config"] == {"name": "config", "mountPath": "/etc/splitserve", "readOnly": True}
     assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["config"]["configMap"]["name"] == "chat-config"
+    digest = dep["spec"]["template"]["metadata"]["annotations"]["splitserve.io/config-hash"]
+    assert volumes["config"]["configMap"]["name"] == f"chat-config-{digest}"
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert pod["terminationGracePeriodSeconds"] == 120
     selector = dep["spec"]["selector"]["matchLabels"]
@@ -285,10 +300,11 @@ def test_router_api_keys_come_from_the_secret_in_the_config_volume() -> None:
     # with); kubelet updates it in place when the Secret changes, and the router re-reads it.
     spec = copy.deepcopy(SPEC)
     spec["router"] = {"apiKeySecret": {"name": "router-keys"}}
-    pod = build(spec)[("Deployment", "chat-router")]["spec"]["template"]["spec"]
+    objs = build(spec)
+    pod = objs[("Deployment", "chat-router")]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["config"]["projected"]["sources"] == [
-        {"configMap": {"name": "chat-config"}},
+        {"configMap": {"name": config_map_name(objs)}},
         {"secret": {"name": "router-keys", "items": [{"key": "api-key", "path": "api-keys"}]}},
     ]
     args = pod["containers"][0]["args"]
@@ -298,7 +314,7 @@ def test_router_api_keys_come_from_the_secret_in_the_config_volume() -> None:
         worker = build(spec)[("Deployment", f"chat-{component}")]["spec"]["template"]["spec"]
         assert {v["name"]: v for v in worker["volumes"]}["config"] == {
             "name": "config",
-            "configMap": {"name": "chat-config"},
+            "configMap": {"name": config_map_name(objs)},
         }
     plain = build()[("Deployment", "chat-router")]["spec"]["template"]["spec"]
     assert "--api-key-file" not in plain["containers"][0]["args"]
@@ -388,3 +404,71 @@ def test_spec_image_wins_over_operator_default() -> None:
     assert image == "registry.example/worker:1.2"
     dep = build(worker_image="other:tag")[("Deployment", "chat-decode")]
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "other:tag"
+
+
+def test_each_config_version_is_its_own_immutable_config_map() -> None:
+    objs = build()
+    cm = config_map(objs)
+    assert cm["immutable"] is True
+    for pool in ("router", "prefill", "decode"):
+        template = objs[("Deployment", f"chat-{pool}")]["spec"]["template"]
+        digest = template["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+        assert cm["metadata"]["name"] == f"chat-config-{digest}"
+    # The same spec names the same version; a config change names a new one; a change that
+    # leaves the worker config alone (replicas) keeps it.
+    assert config_map_name(build()) == config_map_name(objs)
+    spec = copy.deepcopy(SPEC)
+    spec["decode"]["maxBatchSize"] = 32
+    assert config_map_name(build(spec)) != config_map_name(objs)
+    spec = copy.deepcopy(SPEC)
+    spec["decode"]["replicas"] = 5
+    assert config_map_name(build(spec)) == config_map_name(objs)
+
+
+def _mounting(kind: str, name: str, replicas: int | None = None, projected: bool = False):
+    volume = (
+        {"name": "config", "projected": {"sources": [{"configMap": {"name": name}}]}}
+        if projected
+        else {"name": "config", "configMap": {"name": name}}
+    )
+    pod_spec = {"volumes": [volume, {"name": "tmp", "emptyDir": {}}]}
+    if kind == "Pod":
+        return {"spec": pod_spec}
+    obj: dict[str, Any] = {"spec": {"template": {"spec": pod_spec}}}
+    if replicas is not None:
+        obj["spec"]["replicas"] = replicas
+        obj["status"] = {"replicas": 0}
+    return obj
+
+
+def _cm(name: str, uid: str = "uid-1") -> dict[str, Any]:
+    return {"metadata": {"name": name, "uid": f"cm-{name}", "ownerReferences": [{"uid": uid}]}}
+
+
+def test_superseded_configs_are_those_nothing_can_mount() -> None:
+    maps = [_cm("c-old"), _cm("c-mid"), _cm("c-new"), _cm("c-legacy"), _cm("c-other", "uid-2")]
+    deployments = [
+        _mounting("Deployment", "c-new"),
+        _mounting("Deployment", "c-new", projected=True),
+    ]
+    # Mid-rollout: the old ReplicaSet still wants a pod (it may replace one that dies), the
+    # pod of an emptied ReplicaSet is still terminating; the rollout history keeps nothing.
+    live_rs = _mounting("ReplicaSet", "c-mid", replicas=1)
+    history = _mounting("ReplicaSet", "c-old", replicas=0)
+    terminating = _mounting("Pod", "c-legacy")
+    assert superseded_configs(maps, "uid-1", deployments, [live_rs, history], [terminating]) == [
+        "c-old"
+    ]
+    # Once the pod is gone and the ReplicaSet empty, only the current one stays; another
+    # LLMService's ConfigMap is never touched.
+    live_rs["spec"]["replicas"] = 0
+    assert superseded_configs(maps, "uid-1", deployments, [live_rs, history], []) == [
+        "c-legacy",
+        "c-mid",
+        "c-old",
+    ]
+    # A ReplicaSet scaled to zero whose pods are still counted keeps its version.
+    live_rs["status"]["replicas"] = 1
+    assert "c-mid" not in superseded_configs(maps, "uid-1", deployments, [live_rs], [])
+    # No Deployment (being created, or deleted and about to be repaired): nothing is judged.
+    assert superseded_configs(maps, "uid-1", [], [], []) == []

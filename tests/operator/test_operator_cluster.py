@@ -61,6 +61,19 @@ def tiny_events(cp: Any, namespace: str, reason: str = "") -> list[dict[str, Any
     return items
 
 
+def config_map_name(cp: Any, namespace: str, service: str = "tiny", pool: str = "decode") -> str:
+    """The config version a pool's Deployment mounts (ConfigMaps are named by content hash)."""
+    dep = deployment(cp, namespace, f"{service}-{pool}")
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}  # type: ignore
+    return str(volumes["config"]["configMap"]["name"])
+
+
+def config_maps(cp: Any, namespace: str, service: str = "tiny") -> list[str]:
+    sel = f"app.kubernetes.io/instance={service},app.kubernetes.io/component=config"
+    return sorted(c["metadata"]["name"] for c in get_json(cp, "-n", namespace, "configmaps",
+                                                          "-l", sel)["items"])  # fmt: skip
+
+
 def tiny(**spec_overrides: Any) -> dict[str, Any]:
     obj = yaml.safe_load(TINY)
     obj["spec"].update(spec_overrides)
@@ -95,7 +108,7 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
     names = sorted((c["kind"], c["metadata"]["name"]) for c in children["items"])
     assert names == sorted(
         [
-            ("ConfigMap", "tiny-config"),
+            ("ConfigMap", config_map_name(cp, namespace)),
             ("NetworkPolicy", "tiny-workers"),
             ("PodMonitor", "tiny-workers"),
             *[("Deployment", f"tiny-{p}") for p in POOLS],
@@ -154,16 +167,31 @@ def test_updates_roll_out_and_delete_collects_children(
         assert template(pool)["spec"]["containers"][0]["image"] == "splitserve/worker:v2"
         assert len(replicasets(pool)) == 2
 
-    # New worker config: the ConfigMap changes and the config hash rolls the pods.
+    # New worker config: a new immutable ConfigMap, and its hash rolls the pods onto it.
+    # The old version stays while a pod or a ReplicaSet with pods mounts it, and goes after.
     before = template("decode")["metadata"]["annotations"]["splitserve.io/config-hash"]
+    old_config = config_map_name(cp, namespace)
+    assert old_config == f"tiny-config-{before}"
     changed = tiny(image="splitserve/worker:v2")
     changed["spec"]["decode"]["maxBatchSize"] = 8
     apply(cp, namespace, changed)
     wait_ready(cp, namespace, "tiny")
-    config = get_json(cp, "-n", namespace, "configmap", "tiny-config")["data"]["config.yaml"]
+    new_config = config_map_name(cp, namespace)
+    assert new_config != old_config
+    config = get_json(cp, "-n", namespace, "configmap", new_config)["data"]["config.yaml"]
     assert yaml.safe_load(config)["decode"]["max_batch_size"] == 8
     assert template("decode")["metadata"]["annotations"]["splitserve.io/config-hash"] != before
     assert len(replicasets("decode")) == 3
+    wait_until(
+        lambda: config_maps(cp, namespace) == [new_config],
+        "the superseded config version deleted once no pod mounts it",
+    )
+    assert any(old_config in e["message"] for e in tiny_events(cp, namespace, "Deleted"))
+    for pod in get_json(cp, "-n", namespace, "pods", "-l", "app.kubernetes.io/instance=tiny")[
+        "items"
+    ]:
+        mounted = {v["name"]: v for v in pod["spec"]["volumes"]}["config"]["configMap"]["name"]
+        assert mounted == new_config
 
     # More replicas (mode Off): the Deployment follows the spec.
     changed["spec"]["decode"]["replicas"] = 3
@@ -223,7 +251,7 @@ def test_drift_is_repaired(control_plane: Any, operator: OperatorProcess, namesp
     )
     assert "DriftRepaired" in {e["reason"] for e in tiny_events(cp, namespace)}
     # A ConfigMap is not watched: the resync finds it missing, and says so as a repair too.
-    delete_and_wait_for_a_new_one("configmap", "tiny-config", 90)
+    delete_and_wait_for_a_new_one("configmap", config_map_name(cp, namespace), 90)
     wait_until(
         lambda: any(
             "ConfigMap" in e["message"] for e in tiny_events(cp, namespace, "DriftRepaired")
@@ -237,11 +265,11 @@ def test_drift_is_repaired(control_plane: Any, operator: OperatorProcess, namesp
 def test_objects_it_does_not_own_are_never_taken_over(
     control_plane: Any, operator: OperatorProcess, namespace: str
 ) -> None:
-    # Someone's own ConfigMap has the name the LLMService's would get. Applied over it, it
-    # would get a controller owner reference, and the garbage collector would delete it with
-    # the LLMService.
+    # Someone's own Service has the name the LLMService's router Service would get. Applied
+    # over it, it would get a controller owner reference, and the garbage collector would
+    # delete it with the LLMService.
     cp = control_plane
-    cp.kubectl("create", "configmap", "-n", namespace, "tiny-config", "--from-literal=k=mine")
+    cp.kubectl("create", "service", "clusterip", "-n", namespace, "tiny-router", "--tcp=81:81")
     apply(cp, namespace, TINY)
     ready = wait_until(
         lambda: (
@@ -252,16 +280,18 @@ def test_objects_it_does_not_own_are_never_taken_over(
         "Ready False ChildConflict",
     )
     assert ready["status"] == "False"
-    assert f"ConfigMap {namespace}/tiny-config (it has no controller)" in ready["message"]
-    mine = get_json(cp, "-n", namespace, "configmap", "tiny-config")
-    assert mine["data"] == {"k": "mine"} and not mine["metadata"].get("ownerReferences")
+    assert f"Service {namespace}/tiny-router (it has no controller)" in ready["message"]
+    mine = get_json(cp, "-n", namespace, "service", "tiny-router")
+    assert mine["spec"]["ports"][0]["port"] == 81
+    assert not mine["metadata"].get("ownerReferences")
     assert deployment(cp, namespace, "tiny-router") is None  # stopped before changing anything
+    assert config_maps(cp, namespace) == []
     events = tiny_events(cp, namespace, "ChildConflict")
     assert events and events[0]["type"] == "Warning"
     # Once the name is free the service comes up (at the next retry).
-    cp.kubectl("delete", "configmap", "-n", namespace, "tiny-config")
+    cp.kubectl("delete", "service", "-n", namespace, "tiny-router")
     wait_ready(cp, namespace, "tiny")
-    ours = get_json(cp, "-n", namespace, "configmap", "tiny-config")
+    ours = get_json(cp, "-n", namespace, "service", "tiny-router")
     assert ours["metadata"]["ownerReferences"][0]["name"] == "tiny"
 
 

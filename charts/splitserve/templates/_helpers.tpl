@@ -52,15 +52,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [splitserve.io]
   resources: [llmservices/finalizers]
   verbs: [update]
+# Each config version is its own immutable ConfigMap. list, delete: a superseded one, once no
+# pod, Deployment or live ReplicaSet mounts it (only the ones an LLMService owns).
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [get, create, patch]
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
+# list: which config versions a rollout's ReplicaSets still need.
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [list]
 # list: why a pool's pods are not running (unschedulable, image pull), for its status.
 # patch: the built-in autoscaler's pod-deletion-cost before a scale-down (idlest pods go first).
 - apiGroups: [""]
