@@ -119,3 +119,43 @@ def test_byte_level_output_is_unchanged_by_context() -> None:
         deltas = stream(detok, list(text.encode()))
         assert "".join(deltas) == "é ✓ 你好 "
         assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The tiny models' byte-level BPE, with their special tokens."""
+    from splitserve_workers.engine.make_model import build_tokenizer
+
+    model_dir = tmp_path_factory.mktemp("byte-level")
+    build_tokenizer(512, add_bos=False).save(str(model_dir / "tokenizer.json"))
+    return Tokenizer(Path(model_dir))
+
+
+def test_invalid_bytes_go_out_at_once(byte_level: Tokenizer) -> None:
+    # Stray continuation bytes (a model biased to one writes a run of them) are U+FFFD
+    # whatever follows: they go out at once. Held like an unfinished character, the window
+    # grew with the run and every token decoded all of it again (quadratic on the event loop).
+    tok = byte_level
+    byte = {tok.token_bytes(i): i for i in range(tok.vocab_size)}
+    decoded: list[int] = []
+
+    class Counting:
+        shown_bytes = staticmethod(tok.shown_bytes)
+
+        def decode(self, ids: list[int]) -> str:
+            decoded.append(len(ids))
+            return tok.decode(ids)
+
+    detok = IncrementalDetokenizer(Counting())
+    run = 2000
+    assert [detok.add([byte[b"\x8f"]]) for _ in range(run)] == ["\ufffd"] * run
+    assert sum(decoded) < 10 * run
+    # A character begun after them still waits for the rest of its bytes, across a special
+    # token (decoded as nothing) in between.
+    im_start = tok.token_to_id("<|im_start|>")
+    assert im_start is not None
+    assert detok.add([byte[b"\xe4"]]) == ""
+    assert detok.add([byte[b"\xbd"], im_start]) == ""
+    assert detok.add([byte[b"\xa0"], byte[b"\x8f"]]) == "你\ufffd"
+    assert detok.add([byte[b"\xe4"], byte[b"a"]]) == "\ufffda"
+    assert detok.finish() == ""

@@ -661,10 +661,13 @@ def test_completion_logprobs_follow_the_legacy_shape(stack: dict[str, Any], engi
         top[token] == value
         for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
     )
-    # text_offset: the whole characters of the completion before each token.
-    raws = [engine.tokenizer.token_bytes(o.token_id) for o in expected]
-    want = [len(b"".join(raws[:i]).decode("utf-8", "ignore")) for i in range(len(raws))]
-    assert lp.text_offset == want
+    # text_offset: where each token starts in the completion's text (U+FFFD for invalid
+    # bytes included; a special token adds nothing to the text).
+    text = resp.choices[0].text
+    assert lp.text_offset is not None and lp.text_offset == sorted(lp.text_offset)
+    for o, token, offset in zip(expected, lp.tokens, lp.text_offset, strict=True):
+        if engine.tokenizer.shown_bytes(o.token_id) and not token.startswith("bytes:"):
+            assert text[offset : offset + len(token)] == token
 
 
 def test_echo_with_logprobs_scores_the_prompt(stack: dict[str, Any], engine: Any) -> None:
@@ -703,6 +706,12 @@ def test_echo_with_logprobs_scores_the_prompt(stack: dict[str, Any], engine: Any
         assert top is not None and alternatives is not None
         assert alternatives[tok.token_text(top[0][0])[0]] == pytest.approx(top[0][1], abs=1e-4)
     assert resp.usage is not None and resp.usage.prompt_tokens == len(ids)
+    # text_offset indexes the echoed text, which the prompt's BOS is not part of.
+    assert lp.tokens[0] == tok.bos_token and lp.text_offset is not None
+    assert lp.text_offset[:2] == [0, 0]
+    for token, offset in zip(lp.tokens[1:], lp.text_offset[1:], strict=True):
+        if not token.startswith("bytes:"):
+            assert choice.text[offset : offset + len(token)] == token
     # Streamed: the same entries, the prompt's with the first chunk.
     streamed_tokens: list[str] = []
     streamed_values: list[float | None] = []

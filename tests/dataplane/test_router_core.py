@@ -761,6 +761,28 @@ def test_logprobs_objects_have_openai_shapes() -> None:
     assert echoed["text_offset"] == [0, 2]
 
 
+def test_text_offset_indexes_the_text_shown() -> None:
+    def entry(raw: bytes, shown: bytes | None = None) -> api.TokenLogprob:
+        return api.TokenLogprob(repr(raw), raw, -1.0, [], shown)
+
+    # Bytes no character is made of show as one U+FFFD each run: "\x8f\x8fom" is "��om", so
+    # "om" is at 2; an unfinished "\xe4\xbd" cut off by "a" is one U+FFFD too.
+    stray = [entry(b"\x8f"), entry(b"\x8f"), entry(b"om")]
+    assert api.completion_logprobs(stray)["text_offset"] == [0, 1, 2]
+    cut = [entry(b"\xe4"), entry(b"\xbd"), entry(b"a"), entry(b"b")]
+    assert api.completion_logprobs(cut)["text_offset"] == [0, 0, 1, 2]
+    assert api.completion_logprobs(cut[2:], b"\xe4\xbd")["text_offset"] == [1, 2]
+    # A special token (an echoed prompt's BOS, shown=b"") is not in the text: "Hi" is at 0.
+    bos = [entry(b"<s>", b""), entry(b"Hi"), entry(b"!")]
+    assert api.completion_logprobs(bos)["text_offset"] == [0, 0, 2]
+    # A lead byte cut off by another: "\xc3" then "\xc3\xa9" shows as "�é".
+    mixed = [entry(b"\xc3"), entry(b"\xc3\xa9"), entry(b"\xffy"), entry(b"\xed\xa0z")]
+    assert b"\xc3\xc3\xa9\xffy\xed\xa0z".decode("utf-8", "replace") == "\ufffdé\ufffdy\ufffd\ufffdz"
+    assert api.completion_logprobs(mixed)["text_offset"] == [0, 1, 2, 4]
+    emoji = [entry(b"\xf0\x9f"), entry(b"\x98"), entry(b"\x80x")]
+    assert api.completion_logprobs(emoji)["text_offset"] == [0, 0, 0]
+
+
 def test_stop_lists_are_bounded() -> None:
     # Each is checked on every generated token, on the router's event loop and the engine's.
     for body, param, message in [

@@ -162,7 +162,10 @@ class Tokenizer:
         decoder = spec.get("decoder") or {}
         parts = decoder.get("decoders") or [decoder]
         self._byte_level = any(d.get("type") == "ByteLevel" for d in parts if isinstance(d, dict))
-        self._added_ids = {int(t["id"]) for t in spec.get("added_tokens") or [] if "id" in t}
+        added = [t for t in spec.get("added_tokens") or [] if "id" in t]
+        self._added_ids = {int(t["id"]) for t in added}
+        # decode() leaves these out of the text (skip_special_tokens).
+        self._special_ids = {int(t["id"]) for t in added if t.get("special")}
         self._token_bytes: dict[int, bytes] = {}
 
         env = _template_environment()
@@ -225,6 +228,11 @@ class Tokenizer:
             raw = piece.replace("\u2581", " ").encode()
         self._token_bytes[token_id] = raw
         return raw
+
+    def shown_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to decoded text: its token_bytes, none for a special token
+        (decode skips those: a prompt's BOS, an end-of-turn token)."""
+        return b"" if token_id in self._special_ids else self.token_bytes(token_id)
 
     def token_text(self, token_id: int) -> tuple[str, bytes]:
         """(text, bytes) of one token as OpenAI's logprobs show it: the text, or for a token

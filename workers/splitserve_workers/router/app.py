@@ -722,7 +722,7 @@ class _Run:
         self.counts: collections.deque[int] = collections.deque()
         self.finish_reason: str | None = None
         self.first = True  # no chunk of this choice has gone out yet
-        self.sent = b""  # bytes of the tokens whose logprobs went out (for text_offset)
+        self.sent = b""  # text bytes of the tokens whose logprobs went out (for text_offset)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """(text delta, finish_reason or None, the event's tokens' logprobs if asked) per worker
@@ -758,25 +758,27 @@ class _Run:
         if not self.req.logprobs:
             return []
         tok = self.router.tokenizer
+
+        def entry(token_id: int, logprob: float | None, top: Any) -> api.TokenLogprob:
+            text, raw = tok.token_text(token_id)
+            alternatives = [(*tok.token_text(t), value) for t, value in top]
+            # A special token's text is not in the choice's (text_offset must not count it).
+            return api.TokenLogprob(text, raw, logprob, alternatives, tok.shown_bytes(token_id))
+
         entries = []
         if chunk.prompt_logprobs is not None and self.req.prompt_logprobs:
             # The echoed prompt's tokens first: the first has no logprob, each later one its
             # own given the tokens before it.
-            first_text, first_raw = tok.token_text(self.prompt_ids[0])
-            entries.append(api.TokenLogprob(first_text, first_raw, None, []))
+            entries.append(entry(self.prompt_ids[0], None, []))
             for token_id, (logprob, top) in zip(
                 self.prompt_ids[1:], chunk.prompt_logprobs, strict=False
             ):
-                text, raw = tok.token_text(token_id)
-                alternatives = [(*tok.token_text(t), value) for t, value in top]
-                entries.append(api.TokenLogprob(text, raw, logprob, alternatives))
+                entries.append(entry(token_id, logprob, top))
         # A worker sends one logprob per token when asked; a shorter list is a worker that
         # did not (an older one): those tokens get no entry rather than a made-up value.
         for i, (token_id, logprob) in enumerate(zip(chunk.token_ids, chunk.logprobs, strict=False)):
-            text, raw = tok.token_text(token_id)
             top = chunk.top_logprobs[i] if i < len(chunk.top_logprobs) else []
-            alternatives = [(*tok.token_text(t), value) for t, value in top]
-            entries.append(api.TokenLogprob(text, raw, logprob, alternatives))
+            entries.append(entry(token_id, logprob, top))
         return entries
 
     def logprobs_object(self, entries: list[api.TokenLogprob]) -> dict[str, Any] | None:
@@ -784,7 +786,7 @@ class _Run:
         sent (legacy completions' text_offset counts from the choice's start)."""
         if not self.req.logprobs:
             return None
-        before, self.sent = self.sent, self.sent + b"".join(e.raw for e in entries)
+        before, self.sent = self.sent, self.sent + b"".join(e.text_bytes for e in entries)
         if self.req.kind == "chat":
             return api.chat_logprobs(entries)
         return api.completion_logprobs(entries, before)

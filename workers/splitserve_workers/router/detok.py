@@ -5,6 +5,7 @@ in app.py; the tokenizer is anything with `decode(ids) -> str`."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -57,12 +58,31 @@ class IncrementalDetokenizer:
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._tok.decode(self._ids[self._prefix_offset :])
         # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the next token.
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and not (full.endswith("\ufffd") and self._char_pending()):
             delta = full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             return delta
         return ""
+
+    def _char_pending(self) -> bool:
+        """The text ends in U+FFFD: whether that may be a character the next tokens complete,
+        rather than bytes no later token can make valid (a stray continuation byte). Waiting on
+        those would grow the decode window with every token, each step decoding the whole run
+        again: quadratic in a long run of invalid bytes (a model can be biased into one). A
+        tokenizer that cannot tell its tokens' bytes always waits."""
+        shown_bytes = getattr(self._tok, "shown_bytes", None)
+        if shown_bytes is None:
+            return True
+        # An incomplete character is at most 3 bytes, all after the text already complete.
+        tail = b""
+        for token_id in reversed(self._ids[self._read_offset :]):
+            tail = shown_bytes(token_id) + tail
+            if len(tail) >= 4:
+                break
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(tail[-4:])
+        return bool(decoder.getstate()[0])
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Returns the text that is safe to show now (may be empty)."""

@@ -4,6 +4,7 @@ shapes for /v1/completions and /v1/chat/completions. Pure data; app.py does the 
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import re
@@ -1132,6 +1133,13 @@ class TokenLogprob:
     raw: bytes
     logprob: float | None
     top: list[tuple[str, bytes, float]]  # most likely first
+    # The bytes the token adds to the choice's text where that is not `raw`: none for a
+    # special token, which the text leaves out (an echoed prompt's BOS).
+    shown: bytes | None = None
+
+    @property
+    def text_bytes(self) -> bytes:
+        return self.raw if self.shown is None else self.shown
 
 
 def _entry(text: str, raw: bytes, logprob: float | None) -> dict[str, Any]:
@@ -1147,16 +1155,34 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenLogprob], before: bytes = b"") -> dict[str, Any]:
-    """choices[].logprobs of the legacy completions API for these tokens; `before`: the bytes
-    of the completion's tokens before them. text_offset counts the whole characters before
-    each token, so a token holding part of a character (shown as `bytes:\\xNN`) moves it on
-    only once its character is complete."""
+def text_offsets(entries: list[TokenLogprob], before: bytes = b"") -> list[int]:
+    """Where each token starts in the text: the characters the text shows before it, `before`
+    being the text's bytes ahead of these tokens. Bytes no character can be made of count as
+    the one U+FFFD the text shows for them; a character still incomplete before a token counts
+    only if the token does not go on with it (a token holding part of a character, shown as
+    `bytes:\\xNN`, starts where its character does)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    chars = len(decoder.decode(before))
     offsets: list[int] = []
-    raw = before
     for e in entries:
-        offsets.append(len(raw.decode("utf-8", errors="ignore")))
-        raw += e.raw
+        raw = e.text_bytes
+        pending = decoder.getstate()[0]
+        at = chars
+        if pending and raw:
+            try:
+                codecs.utf_8_decode(pending + raw[:1], "strict", False)
+            except UnicodeDecodeError:
+                at += 1  # the character ends unfinished: the text shows one U+FFFD for it
+        offsets.append(at)
+        chars += len(decoder.decode(raw))
+    return offsets
+
+
+def completion_logprobs(entries: list[TokenLogprob], before: bytes = b"") -> dict[str, Any]:
+    """choices[].logprobs of the legacy completions API for these tokens; `before`: the text
+    bytes of the completion's tokens before them (TokenLogprob.text_bytes). text_offset: see
+    text_offsets."""
+    offsets = text_offsets(entries, before)
     tops: list[dict[str, float] | None] = []
     for e in entries:
         if e.logprob is None:  # the prompt's first token (echo): null, as OpenAI's
