@@ -139,3 +139,18 @@ async def test_an_abort_during_the_allocation_wins(gated: GatedServer) -> None:
     assert gated.rejected == ["aborted"]
     assert gated.engine.stats().free_blocks == initial
     assert "aborted" not in gated.role.reservations and not gated.role._reserving
+
+
+async def test_an_abort_of_an_accepted_reservation_is_not_a_rejection(gated: GatedServer) -> None:
+    # The router aborts a reservation whenever the first token is the last (max_tokens 1, a
+    # stop string or EOS at once) or the client leaves before decoding starts: routine, not a
+    # call the worker refused, so requests_rejected_total does not count it.
+    stub = await gated.start()
+    initial = gated.engine.stats().free_blocks
+    gated.gate.set()
+    resp = await stub.Reserve(gated.request("done-at-once"))
+    assert resp.accepted
+    found = await stub.Abort(pb.AbortRequest(request_id="done-at-once"))
+    assert found.found
+    assert gated.engine.stats().free_blocks == initial
+    assert gated.rejected == []

@@ -203,8 +203,10 @@ class DecodeRole:
 
     def _fail(self, res: Reservation, code: grpc.StatusCode, message: str, reason: str) -> None:
         if self.reservations.fail(res, Failure(code, message, reason), time.monotonic()):
-            self.w.metrics.rejected(reason)
-            # A router abort (client gone, stop string) is routine; the rest are faults.
+            # A router abort (client gone, stop string, max_tokens 1) is routine, not a refused
+            # call: it is neither counted as a rejection nor logged as a fault.
+            if reason != "aborted":
+                self.w.metrics.rejected(reason)
             level = logging.INFO if reason == "aborted" else logging.WARNING
             log.log(level, "transfer %s failed: %s", res.request_id, message)
 

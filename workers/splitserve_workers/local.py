@@ -247,11 +247,18 @@ class LiveLine:
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[float, float, list[tuple[float, float]]]] = {}
+        self._finished = 0.0
 
     def update(self, text: str) -> str | None:
         page = parse_page(text)
         parts = []
-        new_requests = 0.0
+        # Requests finished, whatever their status: a request with n choices observes n TTFTs.
+        finished = page.get(("splitserve_requests_total", ""), 0.0)
+        old_finished = self._finished
+        if finished < old_finished:  # the router was restarted: its counters began again
+            old_finished = 0.0
+        self._finished = finished
+        new_requests = finished - old_finished
         for key, metric in (
             ("TTFT", "splitserve_time_to_first_token_seconds"),
             ("TPOT", "splitserve_time_per_output_token_seconds"),
@@ -264,8 +271,6 @@ class LiveLine:
                 old_total, old_count, old_buckets = 0.0, 0.0, []
             self._last[key] = (total, count, cumulative)
             n = count - old_count
-            if key == "TTFT":
-                new_requests = n
             if n <= 0:
                 continue
             old = dict(old_buckets)

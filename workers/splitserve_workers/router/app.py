@@ -613,9 +613,6 @@ class Router:
             finally:
                 self.answers.discard(answer)
                 status = answer.status
-                for k, run in enumerate(runs):
-                    # A prompt's tokens count once, as in usage: its first copy's.
-                    run.record(answer.status, count_prompt=k % req.n == 0)
         except FlowError as e:
             status = "rejected" if e.status < 500 or e.code == "no_capacity" else "error"
             error = api.APIError(e.status, e.message, param=e.param, code=e.code)
@@ -623,10 +620,18 @@ class Router:
         except api.APIError as e:
             error = e
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionResetError):
             status = "abort"
             raise
+        except Exception:
+            status = "error"  # answered as a 500 (the middleware): a server fault
+            raise
         finally:
+            if answer is not None:
+                for k, run in enumerate(answer.runs):
+                    # A prompt's tokens count once, as in usage: its first copy's. Recorded
+                    # with the request's final status: a refusal (no usage) counts no tokens.
+                    run.record(status, count_prompt=k % answer.req.n == 0)
             self.in_flight -= 1
             self.metrics.requests_in_flight.labels(**self.labels).dec()
             self.metrics.requests.labels(**self.labels, status=status).inc()
@@ -801,7 +806,7 @@ class _Run:
         prompt's tokens too (a prompt's n copies count it once, as usage does)."""
         m = self.router.metrics
         labels = self.router.labels
-        if count_prompt:
+        if count_prompt and status != "rejected":
             m.prompt_tokens.labels(**labels).inc(len(self.prompt_ids))
         if self.num_tokens:
             m.generation_tokens.labels(**labels).inc(self.num_tokens)

@@ -389,10 +389,16 @@ class Flow:
         return until
 
     async def _reserve(
-        self, worker_rid: str, source: serving_pb2.ModelSpec, key: PromptKey
+        self,
+        worker_rid: str,
+        source: serving_pb2.ModelSpec,
+        key: PromptKey,
+        before_first_token: bool = True,
     ) -> Worker:
         """A decode worker holding blocks for the prompt; `source` is the ModelSpec of the
-        prefill worker whose KV it will receive (the decode side checks compatibility)."""
+        prefill worker whose KV it will receive (the decode side checks compatibility).
+        `before_first_token`: the wait is part of the time to first token (the stage split's
+        decode admission); a retry's after the first token went out is not."""
         assert self.decode is not None
         start = time.monotonic()
         deadline = start + self.settings.admission_timeout_seconds
@@ -459,7 +465,12 @@ class Flow:
                 if resp.accepted:
                     claim.reserved(resp.free_blocks)
                     self._decode_claim = claim
-                    self.stats.decode_admission_seconds = time.monotonic() - start
+                    if before_first_token:
+                        # Every reservation the first token waited for counts (a retry's too).
+                        waited = time.monotonic() - start
+                        self.stats.decode_admission_seconds = (
+                            self.stats.decode_admission_seconds or 0.0
+                        ) + waited
                     self.stats.decode_endpoint = worker.load.endpoint
                     self.stats.decode_cached_tokens = resp.num_cached_tokens
                     self.decode.sent(worker, key)  # it holds the prompt's blocks from now on
@@ -546,7 +557,9 @@ class Flow:
                 claimed = key.tokens - cached
                 claimed_at = _claim(prefill.load, claimed)
                 try:
-                    decode = await self._reserve(worker_rid, prefill.model, decode_key)
+                    decode = await self._reserve(
+                        worker_rid, prefill.model, decode_key, before_first_token=first is None
+                    )
                 except BaseException:
                     _unclaim(prefill.load, claimed, claimed_at)
                     raise
@@ -731,7 +744,6 @@ class Flow:
                 sent_at_report = _claim(worker.load, claimed)
                 self.colocated.sent(worker, key)
                 self.stats.prefill_endpoint = self.stats.decode_endpoint = worker.load.endpoint
-                start = time.monotonic()
                 done = False
                 call = worker.stub.Complete(
                     serving_pb2.CompleteRequest(
@@ -752,8 +764,9 @@ class Flow:
                                 claimed,
                                 len(req.prompt_token_ids) - event.num_cached_tokens,
                             )
+                            # No stage split here: the worker reports no queue or compute
+                            # time, and the call's wait for its first token holds both.
                             self.stats.num_cached_tokens = event.num_cached_tokens
-                            self.stats.prefill_compute_seconds = time.monotonic() - start
                         chunk = self._chunk(event)
                         if chunk.finished:
                             done = event.finished
