@@ -226,3 +226,44 @@ def test_a_preempted_constrained_sequence_resumes_its_grammar(
     assert engine.stats().free_blocks == 40
     for ids in reference:
         check_person(json.loads(engine.tokenizer.decode(ids)))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5},  # llguidance admits "0"
+        {"type": "number", "exclusiveMinimum": 2, "exclusiveMaximum": 2.001},  # ... "2"
+        {"type": "number", "minimum": -0.5, "exclusiveMaximum": 0},  # ... "-0"
+        {"type": "number", "minimum": -1.5, "exclusiveMaximum": -1},  # ... "-1"
+        {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 0.5},  # draft 4
+        {"type": "number", "exclusiveMinimum": 0, "minimum": -5, "maximum": 0.5},
+        {"allOf": [{"type": "number", "exclusiveMinimum": 0}, {"maximum": 0.5}]},
+        {"anyOf": [{"type": "number", "exclusiveMinimum": 0}], "maximum": 0.5},
+        {"$defs": {"p": {"exclusiveMinimum": 0}}, "$ref": "#/$defs/p", "maximum": 0.5},
+        {"type": "object", "properties": {"p": {"exclusiveMinimum": 1, "maximum": 1.5}}},
+    ],
+)
+def test_number_ranges_llguidance_would_leak_are_refused(schema: dict[str, object]) -> None:
+    # llguidance (1.9) writes a range whose ends share an integer part with the fraction
+    # optional when the lower end's is zero, excluded or not: sampled, such a schema gave "0"
+    # for (0, 0.5], a "stop" outside it. Refused (a 400) instead.
+    with pytest.raises(G.GrammarError, match="unsupported number range"):
+        G.json_schema(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        {"type": "number", "exclusiveMinimum": 0.5, "maximum": 0.75},
+        {"type": "number", "minimum": 0, "maximum": 0.5},
+        {"type": "number", "minimum": -0.5, "exclusiveMaximum": 0.5},
+        {"type": "number", "exclusiveMinimum": -1, "maximum": -0.5},
+        {"type": "integer", "exclusiveMinimum": 0, "maximum": 10},
+        {"type": "object", "properties": {"a": {"exclusiveMinimum": 0}, "b": {"maximum": 0.5}}},
+        {"enum": [{"exclusiveMinimum": 0, "maximum": 0.5}]},  # data, not a schema
+        {"$defs": {"n": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/n"}]}}, "$ref": "#/$defs/n"},
+    ],
+)
+def test_number_ranges_llguidance_reads_right_are_served(schema: dict[str, object]) -> None:
+    G.json_schema(schema)

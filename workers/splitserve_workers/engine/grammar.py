@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -65,11 +66,111 @@ def json_schema(schema: dict[str, Any] | bool) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise GrammarError("the schema must be a JSON object")
+    _refuse_misread_ranges(schema)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     except ValueError as e:  # not a JSON object, or options it refuses
         raise GrammarError(str(e)) from e
     return _checked(grammar)
+
+
+# A number's bounds, merged as llguidance merges them: (value, exclusive) or None.
+_Bound = tuple[float, bool] | None
+# Keywords whose values are data, not schemas.
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")
+
+
+def _tighter(a: _Bound, b: _Bound, lower: bool) -> _Bound:
+    if a is None or b is None:
+        return a or b
+    if a[0] == b[0]:
+        return (a[0], a[1] or b[1])
+    return a if (a[0] > b[0]) == lower else b
+
+
+def _own_bounds(schema: dict[str, Any]) -> tuple[_Bound, _Bound]:
+    """A schema's numeric bounds (draft 4's boolean exclusiveMinimum/Maximum too)."""
+
+    def number(key: str) -> float | None:
+        value = schema.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return None
+        return float(value) if math.isfinite(value) else None
+
+    lo = hi = None
+    if (m := number("minimum")) is not None:
+        lo = (m, schema.get("exclusiveMinimum") is True)
+    if (m := number("exclusiveMinimum")) is not None:
+        lo = _tighter(lo, (m, True), lower=True)
+    if (m := number("maximum")) is not None:
+        hi = (m, schema.get("exclusiveMaximum") is True)
+    if (m := number("exclusiveMaximum")) is not None:
+        hi = _tighter(hi, (m, True), lower=False)
+    return lo, hi
+
+
+def _refuse_misread_ranges(schema: dict[str, Any]) -> None:
+    """GrammarError for a number range llguidance turns into a regex that lets an excluded
+    bound through. Its float ranges whose ends share an integer part make the fraction
+    optional when the lower end's is zero, even with the end excluded (1.9: `exclusiveMinimum:
+    0, maximum: 0.5` admits `0`; negated, `minimum: -0.5, exclusiveMaximum: 0` admits `-0`).
+    Bounds merge as llguidance merges them: over allOf, into anyOf/oneOf branches and through
+    local $refs. Refused (a 400 naming it) rather than generating outside the schema."""
+    root = schema
+    # (schema, bounds inherited from the schemas it is merged with)
+    stack: list[tuple[Any, _Bound, _Bound]] = [(schema, None, None)]
+    followed: set[tuple[str, _Bound, _Bound]] = set()  # each $ref once per inherited bounds
+    while stack:
+        node, lo, hi = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, None, None) for item in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        merged = [node] + [m for m in node.get("allOf", []) if isinstance(m, dict)]
+        for part in merged:
+            own_lo, own_hi = _own_bounds(part)
+            lo, hi = _tighter(lo, own_lo, lower=True), _tighter(hi, own_hi, lower=False)
+        types = node.get("type", "number")
+        numeric = "number" in (types if isinstance(types, list) else [types])
+        if numeric and lo is not None and hi is not None and lo[0] < hi[0]:
+            # Excluded integer lower end L >= 0 and an upper end below L + 1, or mirrored.
+            if (lo[1] and lo[0].is_integer() and lo[0] >= 0 and hi[0] < lo[0] + 1) or (
+                hi[1] and hi[0].is_integer() and hi[0] <= 0 and lo[0] > hi[0] - 1
+            ):
+                low = ("exclusiveMinimum " if lo[1] else "minimum ") + f"{lo[0]:g}"
+                high = ("exclusiveMaximum " if hi[1] else "maximum ") + f"{hi[0]:g}"
+                raise GrammarError(
+                    f"unsupported number range: {low} with {high} (an excluded integer end "
+                    "within one unit of the other end); widen it or make the end inclusive"
+                )
+        for key, value in node.items():
+            if key in _DATA_KEYWORDS:
+                continue
+            if key in ("anyOf", "oneOf", "allOf") and isinstance(value, list):
+                stack.extend((m, lo, hi) for m in value)  # the branches take its bounds
+            elif key == "$ref" and isinstance(value, str):
+                if (lo is None and hi is None) or (value, lo, hi) in followed:
+                    continue  # its target is walked where it is defined
+                followed.add((value, lo, hi))
+                target = _local_ref(root, value)
+                if target is not None:
+                    stack.append((target, lo, hi))
+            else:
+                stack.append((value, None, None))
+
+
+def _local_ref(root: dict[str, Any], ref: str) -> Any:
+    """The subschema a local $ref (`#`, `#/$defs/x`, ...) points at, or None."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def regex(pattern: str) -> str:
