@@ -128,6 +128,10 @@ class PoolState:
     gpus_per_replica: int = 0
     max_batch_size: int = 0  # decode: sequences per iteration per replica
     rolling_out: bool = False  # a new pod template is replacing the pods
+    # Pods placed but failing to run (crash loop, image pull, ...: status.failing_pods), and
+    # why, in pod_trouble's words. Waiting does not make them ready.
+    failing: int = 0
+    failing_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -658,7 +662,15 @@ def decide(
         if want < state.min_replicas < state.replicas and verdict == SCALE_DOWN:
             reason = f"{reason}; to {state.min_replicas}, its minReplicas"
         want = max(want, state.min_replicas)  # no stabilizing toward what minReplicas forbids
-        starting = state.replicas - state.ready
+        not_ready = state.replicas - state.ready
+        # Pods that fail to run (a crash loop, an image that does not pull) are not waited for
+        # when pods of the same template serve: the template works, the failure is where the
+        # pod landed (a bad node), so waiting would only hold the SLO breach. Not during a
+        # rollout (the new template may be what fails) nor with no pod serving.
+        failing = 0
+        if state.failing > 0 and state.ready > 0 and not state.rolling_out:
+            failing = min(state.failing, max(not_ready, 0))
+        starting = not_ready - failing  # pods that may still become ready
         unscraped = state.ready - scraped
         if starting <= 0:
             history.waiting_since = None
@@ -722,6 +734,12 @@ def decide(
         else:
             want, verdict, reason = stabilize(
                 state.replicas, want, verdict, reason, history, now, window, state.max_replicas
+            )
+        if failing and verdict == SCALE_UP and (starting <= 0 or stuck):
+            why = f" ({state.failing_why})" if state.failing_why else ""
+            reason = (
+                f"{reason}; {failing} pods fail to run{why} where pods of the same template "
+                "serve: adding capacity without them"
             )
         if verdict == SCALE_DOWN and state.rolling_out:
             # Restarting pods skew every signal, and the ReplicaSets are busy: shrink after.

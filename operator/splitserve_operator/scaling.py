@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import GROUP, VERSION
@@ -44,7 +44,7 @@ from .prometheus import MetricsError, PrometheusReader
 from .reconcile import replicas_patch
 from .scrape import ROUTER, DirectScraper, Target
 from .spec import Spec, SpecError, gpus_per_replica, parse_duration, parse_spec
-from .status import now_rfc3339
+from .status import failing_pods, now_rfc3339, pod_trouble
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 COMPONENT = "app.kubernetes.io/component"
@@ -90,6 +90,9 @@ class PrometheusSource:
 
     def pod_load(self, pool: str) -> dict[str, float]:
         return self.reader.pod_load(self.namespace, self.service, pool)
+
+
+_log = logging.getLogger("splitserve.operator")
 
 
 def _ready(pod: dict[str, Any]) -> bool:
@@ -199,7 +202,11 @@ class Scaler:
         if any(d is None for d in deployments.values()):
             # Reconcile creates them first, usually within seconds.
             return min(spec.autoscaling_interval, FIRST_EVALUATION_RETRY_SECONDS)
-        states = {pool: pool_state(spec, pool, d) for pool, d in deployments.items() if d}
+        states = {
+            pool: self.with_failing(pool_state(spec, pool, d), namespace, name)
+            for pool, d in deployments.items()
+            if d
+        }
         try:
             scrape = parse_duration(spec.monitoring_interval, "spec.monitoring.interval")
         except SpecError:
@@ -253,6 +260,23 @@ class Scaler:
         summary = "; ".join(f"{p}: {d.verdict} ({d.reason})" for p, d in decisions.items())
         self.report(body, state, ACTIVE, summary, decisions, scaled, source.description)
         return spec.autoscaling_interval
+
+    def with_failing(self, state: PoolState, namespace: str, name: str) -> PoolState:
+        """The pool's pods that fail to run (status.failing_pods), read only when some pods
+        are not ready; a failed read (an older ClusterRole without `list pods`) counts none."""
+        if state.ready >= state.replicas:
+            return state
+        try:
+            pods = self.kube.list_objects(
+                "v1", "pods", namespace, selector_labels(name, state.name)
+            )
+        except KubeError as e:
+            _log.debug("cannot list %s pods of %s/%s: %s", state.name, namespace, name, e)
+            return state
+        failing = failing_pods([p for p in pods if not _ready(p)])
+        if not failing:
+            return state
+        return replace(state, failing=len(failing), failing_why=pod_trouble(failing) or "")
 
     def apply(
         self,

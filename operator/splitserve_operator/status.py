@@ -83,6 +83,47 @@ def _waiting_detail(cs: dict[str, Any], reason: str, message: str) -> str:
     return f"last exit {ended.get('reason') or 'unknown'}, code {ended.get('exitCode')}"
 
 
+UNSCHEDULABLE = "unschedulable: "
+
+
+def pod_cause(pod: dict[str, Any]) -> str | None:
+    """Why this pod is not running, from its own status (None: no cause reported, or it is on
+    its way out): unschedulable, a container stuck waiting (STUCK_WAITING_REASONS), failed."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return None  # an old pod on its way out
+    pstatus = pod.get("status") or {}
+    found: str | None = None
+    for cond in pstatus.get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            found = f"{UNSCHEDULABLE}{cond.get('message') or 'no reason given'}"
+    statuses = (pstatus.get("initContainerStatuses") or []) + (
+        pstatus.get("containerStatuses") or []
+    )
+    for cs in statuses:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_WAITING_REASONS:
+            detail = _waiting_detail(cs, waiting["reason"], waiting.get("message") or "")
+            found = f"{waiting['reason']} ({cs.get('name')})" + (f": {detail}" if detail else "")
+    if pstatus.get("phase") == "Failed":
+        found = f"failed: {pstatus.get('reason') or ''} {pstatus.get('message') or ''}".strip()
+    return " ".join(found.split())[:TROUBLE_MESSAGE_CHARS] if found else None
+
+
+def failing_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pods that were placed but cannot run (a crash loop, an image that does not pull, a
+    container that cannot be created, a failed pod): waiting does not make them ready. An
+    unschedulable pod is not among them: a node may yet free up or be added for it."""
+    return [
+        pod
+        for pod in pods
+        if (cause := pod_cause(pod)) is not None and not cause.startswith(UNSCHEDULABLE)
+    ]
+
+
 def pod_trouble(pods: list[dict[str, Any]]) -> str | None:
     """Why a pool's pods are not running, from the pods' own status, one clause per distinct
     cause with its pod count ("2 pods unschedulable: 0/3 nodes are available: 3 Insufficient
@@ -92,31 +133,8 @@ def pod_trouble(pods: list[dict[str, Any]]) -> str | None:
     the status at every resync."""
     causes: dict[str, int] = {}
     for pod in pods:
-        if (pod.get("metadata") or {}).get("deletionTimestamp"):
-            continue  # an old pod on its way out
-        pstatus = pod.get("status") or {}
-        found: str | None = None
-        for cond in pstatus.get("conditions") or []:
-            if (
-                cond.get("type") == "PodScheduled"
-                and cond.get("status") == "False"
-                and cond.get("reason") == "Unschedulable"
-            ):
-                found = f"unschedulable: {cond.get('message') or 'no reason given'}"
-        statuses = (pstatus.get("initContainerStatuses") or []) + (
-            pstatus.get("containerStatuses") or []
-        )
-        for cs in statuses:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in STUCK_WAITING_REASONS:
-                detail = _waiting_detail(cs, waiting["reason"], waiting.get("message") or "")
-                found = f"{waiting['reason']} ({cs.get('name')})" + (
-                    f": {detail}" if detail else ""
-                )
-        if pstatus.get("phase") == "Failed":
-            found = f"failed: {pstatus.get('reason') or ''} {pstatus.get('message') or ''}".strip()
+        found = pod_cause(pod)
         if found:
-            found = " ".join(found.split())[:TROUBLE_MESSAGE_CHARS]
             causes[found] = causes.get(found, 0) + 1
     if not causes:
         return None

@@ -39,6 +39,7 @@ from splitserve_operator.config import OperatorConfig
 from splitserve_operator.kube import KubeError, Ref
 from splitserve_operator.prometheus import MetricsError, PrometheusReader
 from splitserve_operator.scaling import SCALED_POOLS, Scaler, ScalerState
+from test_operator_status import pod
 
 OBJ = Objectives(ttft_seconds=0.5, tpot_seconds=0.05, percentile=95)
 WINDOW = 300.0
@@ -371,6 +372,50 @@ def test_pods_that_never_become_ready_block_scale_up_only_until_the_start_deadli
     # Every pod ready: the deadline is forgotten; a new pod is waited for from its start.
     decode_at(grown, grown, 2 * POD_START_DEADLINE_S + 30)
     assert histories["decode"].waiting_since is None
+
+
+def test_pods_that_fail_to_run_where_their_template_serves_are_not_waited_for() -> None:
+    # 1 of 3 decode pods crash-loops (a bad node, say) while 2 of the same template serve and
+    # miss the SLO: adding capacity does not wait out the start deadline for it.
+    histories: dict[str, History] = {}
+    slow = Signals(reporting=2, latency=0.08, kv_usage=0.3, running=10)
+    why = "1 pod CrashLoopBackOff (decode): last exit Error, code 1"
+
+    def decode_at(now: float, **kw: Any) -> Decision:
+        state = pool("decode", 3, ready=2, failing=1, failing_why=why)  # type: ignore[arg-type]
+        return decide(
+            {"prefill": pool("prefill"), "decode": replace(state, **kw)},
+            {"prefill": steady_prefill(2), "decode": slow},
+            OBJ, histories, now, WINDOW, settle=60.0,
+        )["decode"]  # fmt: skip
+
+    d = decode_at(0.0)
+    assert d.verdict == SCALE_UP and d.replicas > 3, d.reason
+    assert f"1 pods fail to run ({why}) where pods of the same template serve" in d.reason
+    # The pods it adds are waited for, and its scale-up settles as any other (one breach is
+    # not answered twice).
+    grown = d.replicas
+    d = decode_at(20.0, replicas=grown)
+    assert (d.verdict, d.replicas) == (WAITING_FOR_PODS, grown), d.reason
+    assert f"waiting for {grown - 3} pods to become ready" in d.reason
+    ready = replace(slow, reporting=grown - 1)
+    d = decide(
+        {"prefill": pool("prefill"), "decode": pool("decode", grown, ready=grown - 1, failing=1)},
+        {"prefill": steady_prefill(2), "decode": ready},
+        OBJ, histories, 30.0, WINDOW, settle=60.0,
+    )["decode"]  # fmt: skip
+    assert d.verdict == "Settling", d.reason
+    # A pod still starting beside it is waited for, as before.
+    histories.clear()
+    d = decode_at(0.0, replicas=4)
+    assert (d.verdict, d.replicas) == (WAITING_FOR_PODS, 4), d.reason
+    assert "waiting for 1 pods to become ready" in d.reason
+    # During a rollout the new template may be what fails, and with no pod serving nothing
+    # shows that the template works: those wait for the deadline.
+    for kw in ({"rolling_out": True}, {"ready": 0}):
+        histories.clear()
+        d = decode_at(0.0, **kw)
+        assert d.verdict != SCALE_UP, (kw, d.reason)
 
 
 def test_verdicts_agree_with_the_replica_count() -> None:
@@ -1067,3 +1112,35 @@ def test_reasons_are_true_to_small_numbers_and_to_minreplicas() -> None:
     assert (d.verdict, d.replicas) == (SCALE_DOWN, 1)
     assert d.reason.startswith("0 replicas would carry today's load")
     assert d.reason.endswith("; to 1, its minReplicas")
+
+
+class PodsKube(FakeKube):
+    """FakeKube whose pod listing returns the given pods (what the API returns for the pool's
+    selector) and counts the calls."""
+
+    def __init__(self, pods: list[dict[str, Any]], *objects: dict[str, Any]) -> None:
+        super().__init__(*objects)
+        self.pods = pods
+        self.lists = 0
+
+    def list_objects(self, *_: Any) -> list[dict[str, Any]]:
+        self.lists += 1
+        return copy.deepcopy(self.pods)
+
+
+def test_the_scaler_counts_the_pool_pods_that_fail_to_run() -> None:
+    serving = pod(name="serving", phase="Running")
+    serving["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    crash = pod(name="crash", waiting=("CrashLoopBackOff", "back-off"), last_exit=("Error", 1))
+    starting = pod(name="starting", waiting=("ContainerCreating", ""))
+    kube = PodsKube([serving, crash, starting])
+    scaler = scaler_on(kube, [], [0.0])
+    state = scaler.with_failing(pool("decode", 3, ready=1), "team-a", "chat")
+    assert (state.failing, state.failing_why) == (
+        1,
+        "1 pod CrashLoopBackOff (worker): last exit Error, code 1",
+    )
+    # Every pod ready: no pod is read.
+    kube.lists = 0
+    assert scaler.with_failing(pool("decode", 3), "team-a", "chat").failing == 0
+    assert kube.lists == 0

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from splitserve_operator.spec import parse_spec
-from splitserve_operator.status import compute_status, merge_conditions, pod_trouble
+from splitserve_operator.status import compute_status, failing_pods, merge_conditions, pod_trouble
 
 SPEC = parse_spec(
     {
@@ -380,3 +380,19 @@ def test_a_pool_the_autoscaler_put_to_sleep_is_not_unready() -> None:
     # In mode Off nobody wakes it (and spec.decode.replicas asks for 3): not ready.
     c = conds(status(asleep, spec=spec_in("Off")))["Ready"]
     assert c["status"] == "False" and c["reason"] != "PoolsAsleep"
+
+
+def test_failing_pods_are_the_placed_ones_that_cannot_run() -> None:
+    crash = pod(name="crash", waiting=("CrashLoopBackOff", "back-off 40s"), last_exit=("Error", 1))
+    pull = pod(name="pull", waiting=("ImagePullBackOff", "Back-off pulling image"))
+    failed = pod(name="failed", phase="Failed")
+    # Not failing: a pod the scheduler cannot place yet (a node may free up or be added), one
+    # just starting, one on its way out.
+    waiting = [
+        pod(name="pending", unschedulable=UNSCHEDULABLE),
+        pod(name="starting", waiting=("ContainerCreating", "")),
+        pod(name="going", waiting=("CrashLoopBackOff", ""), deleting=True),
+    ]
+    got = failing_pods([crash, *waiting, pull, failed])
+    assert [p["metadata"]["name"] for p in got] == ["crash", "pull", "failed"]
+    assert failing_pods(waiting) == []
