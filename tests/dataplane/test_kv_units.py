@@ -276,6 +276,32 @@ def test_release_waits_for_imports_in_flight() -> None:
     assert released == ["r"]  # exactly once
 
 
+def test_failed_reservation_is_kept_without_its_coverage_map() -> None:
+    # A failed reservation stays tombstone_s (120 s) for a late Generate; every router abort
+    # (client gone, stop at the first token, max_tokens 1) leaves one. It must not keep the
+    # layers x prompt tokens coverage map: 32 layers x 4096 tokens is 128 KB per tombstone.
+    import tracemalloc
+
+    released: list[str] = []
+    table = Reservations(released.append, lease_s=10.0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(8):
+            res = table.add(f"r{i}", TransferTracker(f"r{i}", 4096, 32, HEADS, DIM, "float32"), 0.0)
+            assert table.fail(res, Failure(grpc.StatusCode.CANCELLED, "aborted", "aborted"), 1.0)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(released) == 8 and all(f"r{i}" in table for i in range(8))  # tombstones stay
+    assert held < 8 * 32 * 4096 // 8, f"{held} bytes held by 8 failed reservations"
+    tracker = res.tracker
+    assert tracker.progress() == "0 of 131072 token-layers" and not tracker.complete
+    with pytest.raises(KVChunkError) as e:  # no chunk is taken into a failed transfer
+        tracker.accept(parse_kv_chunk(encode_kv_chunk("r7", 0, 0, 1, "float32", b"", b"", True)))
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def test_fingerprint_tells_checkpoints_of_one_architecture_apart(tmp_path) -> None:
     import shutil
 

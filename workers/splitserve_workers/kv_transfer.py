@@ -380,6 +380,7 @@ class TransferTracker:
         self.itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
         self.cached_tokens = cached_tokens
         self._covered = [bytearray(num_tokens) for _ in range(num_layers)]
+        self.discarded = False
         self.received_token_layers = 0
         self.chunks = 0
         self.bytes = 0
@@ -395,12 +396,22 @@ class TransferTracker:
     def progress(self) -> str:
         return f"{self.received_token_layers} of {self.expected_token_layers} token-layers"
 
+    def discard(self) -> None:
+        """The transfer failed: drop the per-token coverage (layers x prompt tokens bytes). The
+        counters stay, for `progress` and `complete`; `accept` refuses any further chunk."""
+        self._covered = []
+        self.discarded = True
+
     def accept(self, chunk: KVChunkView) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
         """Validate one chunk; returns (first layer, first token, k, v) as views into the
         message, shaped [tokens, kv_heads, head_dim] for one layer or [layers, tokens, kv_heads,
         head_dim] for a batch of consecutive layers (what engine.import_kv takes); None for a
         bare last marker or a chunk of cached tokens only."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
+        if self.discarded:
+            raise KVChunkError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"the transfer of {self.request_id} failed"
+            )
         if chunk.malformed:
             raise KVChunkError(bad, chunk.malformed)
         if chunk.request_id != self.request_id:
