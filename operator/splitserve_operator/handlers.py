@@ -60,6 +60,8 @@ class Operator:
         # Per (namespace, name): the apply fault of the last reconcile, (reason, message), so a
         # status write between reconciles (a child Deployment changed) keeps saying it.
         self._faults: dict[tuple[str, str], tuple[str, str]] = {}
+        # Per LLMService uid: when a failed config collection was last logged.
+        self._collect_failed: dict[str, float] = {}
 
     def warn(self, body: kopf.Body, reason: str, message: str) -> None:
         """A Warning Event, unless this LLMService (this uid) got the same one in the last
@@ -137,6 +139,7 @@ class Operator:
         meta = body.meta
         name, namespace = meta["name"], meta["namespace"]
         generation = int(meta.get("generation") or 0)
+        why = pending_change(why, body)
         try:
             spec = parse_spec(dict(body.spec))
             keda = spec.autoscaling_mode == "KEDA" and self.keda_available()
@@ -353,8 +356,11 @@ class Operator:
             if len(maps) <= 1:
                 return []
             instance = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": service}
+            # Consistent reads: the configmaps list above may already show the version a
+            # reconcile just made while the deployments cache does not yet show the
+            # Deployments it just pointed at it, which would make it look unused.
             users = {
-                plural: self.kube.list_objects(group, plural, namespace, instance)
+                plural: self.kube.list_objects(group, plural, namespace, instance, consistent=True)
                 for group, plural in (
                     ("apps/v1", "deployments"),
                     ("apps/v1", "replicasets"),
@@ -387,6 +393,14 @@ class Operator:
         try:
             deleted = self.retire_configs(namespace, service, uid)
         except KubeError as e:
+            # It is tried again at every resync and Deployment event: say it once a while.
+            now = time.monotonic()
+            with self._lock:
+                last = self._collect_failed.get(uid)
+                if last is None or now - last >= WARNING_REPEAT_SECONDS:
+                    self._collect_failed[uid] = now
+                else:
+                    return
             logger.warning(f"cannot collect superseded config ConfigMaps: {e}")
             return
         if deleted:
@@ -467,6 +481,18 @@ class Operator:
             except KubeError as e:
                 if e.status != 409:
                     raise
+
+
+def pending_change(why: str, body: kopf.Body | dict[str, Any]) -> str:
+    """A resync that meets a spec newer than status.observedGeneration (its timer fired before
+    kopf's update handler, or the change has not applied yet) handles that change as a change:
+    it prunes what the new spec rules out, and its Events say Created/Updated, not
+    DriftRepaired (a new config version read as a recreated ConfigMap)."""
+    if why != "resync":
+        return why
+    generation = int((body.get("metadata") or {}).get("generation") or 0)
+    observed = int((body.get("status") or {}).get("observedGeneration") or 0)
+    return "change" if generation > observed else why
 
 
 def owner_service(body: kopf.Body) -> tuple[str, str] | None:

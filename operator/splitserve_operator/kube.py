@@ -130,17 +130,25 @@ class Kube:
         return self.request("GET", ref.path())  # type: ignore[no-any-return]
 
     def list_objects(
-        self, api_version: str, plural: str, namespace: str, selector: dict[str, str]
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str,
+        selector: dict[str, str],
+        consistent: bool = False,
     ) -> list[dict[str, Any]]:
         """The namespaced objects matching every label in `selector`, from the API server's
-        watch cache (resourceVersion=0: no etcd read; a status message can be a moment old)."""
+        watch cache (resourceVersion=0: no etcd read; a status message can be a moment old).
+        consistent: as of now, every write made before the call included (no resourceVersion:
+        still served from the cache once it has caught up), for decisions a stale answer would
+        make wrong. Each kind has its own cache, so an rv=0 list of one kind can already show a
+        write that an rv=0 list of another kind, made later, does not yet."""
         prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
         labels = ",".join(f"{k}={v}" for k, v in selector.items())
-        doc = self.request(
-            "GET",
-            f"{prefix}/namespaces/{namespace}/{plural}",
-            query=[("labelSelector", labels), ("resourceVersion", "0")],
-        )
+        query = [("labelSelector", labels)]
+        if not consistent:
+            query.append(("resourceVersion", "0"))
+        doc = self.request("GET", f"{prefix}/namespaces/{namespace}/{plural}", query=query)
         items: list[dict[str, Any]] = (doc or {}).get("items") or []
         return items
 

@@ -11,8 +11,8 @@ import kopf
 import pytest
 from splitserve_operator.children import desired_children
 from splitserve_operator.config import FIELD_MANAGER, REPLICAS_FIELD_MANAGER, OperatorConfig
-from splitserve_operator.handlers import WARNING_REPEAT_SECONDS, Operator
-from splitserve_operator.kube import KubeError, Ref
+from splitserve_operator.handlers import WARNING_REPEAT_SECONDS, Operator, pending_change
+from splitserve_operator.kube import Kube, KubeError, Ref
 from splitserve_operator.reconcile import ChildConflict, apply_children
 from splitserve_operator.spec import parse_spec
 
@@ -361,3 +361,101 @@ def test_one_refused_child_does_not_hold_back_the_others() -> None:
         apply_children(kube, objs, "Off")  # type: ignore[arg-type]
     assert any(Ref.of(o).kind == "Deployment" for o in objs)
     assert len(kube.calls) >= len(objs) - 1  # every other child was still applied
+
+
+class CachingKube(Kube):
+    """The API server's list semantics for config collection: a list with resourceVersion=0
+    answers from its kind's watch cache (`cached`, per plural, when it lags), one without
+    from the live state; DELETE with a uid precondition."""
+
+    def __init__(self, live: dict[str, list[dict[str, Any]]]) -> None:
+        self.live = live
+        self.cached: dict[str, list[dict[str, Any]]] = {}
+
+    def request(self, method: str, path: str, *, query: Any = None, body: Any = None,
+                **_: Any) -> Any:  # fmt: skip
+        plural = path.rsplit("/", 2)[-1] if method == "GET" else path.rsplit("/", 2)[-2]
+        if method == "GET":
+            stale = ("resourceVersion", "0") in (query or [])
+            items = self.cached.get(plural) if stale else None
+            return {"items": copy.deepcopy(items if items is not None else self.live[plural])}
+        assert method == "DELETE" and plural == "configmaps"
+        name = path.rsplit("/", 1)[-1]
+        (live,) = [m for m in self.live["configmaps"] if m["metadata"]["name"] == name]
+        assert body["preconditions"]["uid"] == live["metadata"]["uid"]
+        self.live["configmaps"].remove(live)
+        return None
+
+
+def test_a_config_version_is_never_collected_on_a_stale_read_of_its_users() -> None:
+    def mounting(config: str, replicas: int | None = None) -> dict[str, Any]:
+        pod_spec = {"volumes": [{"name": "config", "configMap": {"name": config}}]}
+        if replicas is None:
+            return {"spec": {"template": {"spec": pod_spec}}}
+        return {"spec": {"replicas": replicas, "template": {"spec": pod_spec}}, "status": {}}
+
+    def config(name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "uid": f"u-{name}", "ownerReferences": [{"uid": "uid"}]}}
+
+    # A reconcile made chat-config-b and pointed the Deployments at it; the rollout has begun.
+    kube = CachingKube(
+        {
+            "configmaps": [config("chat-config-a"), config("chat-config-b")],
+            "deployments": [mounting("chat-config-b") for _ in range(3)],
+            "replicasets": [mounting("chat-config-a", 1), mounting("chat-config-b", 1)],
+            "pods": [{"spec": mounting("chat-config-a")["spec"]["template"]["spec"]}] * 3,
+        }
+    )
+    # The configmaps cache has caught up; the deployments and replicasets caches are a moment
+    # behind (each kind has its own): read from them, chat-config-b looks unused.
+    kube.cached["deployments"] = [mounting("chat-config-a") for _ in range(3)]
+    kube.cached["replicasets"] = [mounting("chat-config-a", 1)]
+    operator = Operator(kube, OperatorConfig())
+    assert operator.retire_configs("ns", "chat", "uid") == []
+    assert [m["metadata"]["name"] for m in kube.live["configmaps"]] == [
+        "chat-config-a",
+        "chat-config-b",
+    ]
+    # Once the rollout is over, the old version goes.
+    kube.cached.clear()
+    kube.live["replicasets"][0]["spec"]["replicas"] = 0
+    kube.live["pods"] = [{"spec": mounting("chat-config-b")["spec"]["template"]["spec"]}] * 3
+    assert operator.retire_configs("ns", "chat", "uid") == ["ConfigMap ns/chat-config-a"]
+
+
+def test_a_resync_that_meets_an_unapplied_spec_handles_it_as_a_change() -> None:
+    def body(generation: int, observed: int | None) -> dict[str, Any]:
+        status = {} if observed is None else {"observedGeneration": observed}
+        return {"metadata": {"generation": generation}, "status": status}
+
+    # The timer fired before the update handler (or the last change failed to apply).
+    assert pending_change("resync", body(3, 2)) == "change"
+    assert pending_change("resync", body(1, None)) == "change"  # never applied
+    # Applied: what a resync finds changed is drift.
+    assert pending_change("resync", body(3, 3)) == "resync"
+    # Other callers keep their reason.
+    assert pending_change("change", body(3, 3)) == "change"
+    assert pending_change("child-deleted", body(3, 2)) == "child-deleted"
+
+
+def test_a_config_collection_refused_by_rbac_is_logged_once_a_while() -> None:
+    # An older ClusterRole without list/delete on configmaps: the operator keeps reconciling
+    # and says it cannot collect, not at every resync and Deployment event.
+    class Forbidden:
+        def list_objects(self, *_: Any, **__: Any) -> list[dict[str, Any]]:
+            raise KubeError(403, "GET", "/api/v1/namespaces/ns/configmaps", "forbidden")
+
+    class Logger:
+        def __init__(self) -> None:
+            self.warnings: list[str] = []
+
+        def warning(self, message: str) -> None:
+            self.warnings.append(message)
+
+    operator = Operator(Forbidden(), OperatorConfig())  # type: ignore[arg-type]
+    log = Logger()
+    for _ in range(5):
+        operator.retire_configs_quietly("ns", "chat", "uid-1", log)  # type: ignore[arg-type]
+    assert len(log.warnings) == 1 and "403" in log.warnings[0], log.warnings
+    operator.retire_configs_quietly("ns", "other", "uid-2", log)  # type: ignore[arg-type]
+    assert len(log.warnings) == 2
