@@ -62,6 +62,14 @@ def test_a_last_call_without_its_closing_tag_counts() -> None:
 def test_detect_follows_the_chat_template() -> None:
     assert tool_parsers.detect("{{ x }}<tool_call>\n{{ c }}\n</tool_call>") == "hermes"
     assert tool_parsers.detect("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
+    # Llama 3.2 1B/3B: no built-in tools, so no <|python_tag|>; calls render as Llama 3.1's.
+    llama32 = (
+        "{%- set tool_call = message.tool_calls[0].function %}"
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+        "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}"
+        '{{- tool_call.arguments | tojson }}{{- "}" }}{{- "<|eot_id|>" }}'
+    )
+    assert tool_parsers.detect(llama32) == "llama3_json"
     assert tool_parsers.detect("{{ messages }}") is None
     assert tool_parsers.detect(None) is None
 

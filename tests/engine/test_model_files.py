@@ -152,15 +152,38 @@ def test_absent_config_keys_take_the_family_defaults_transformers_uses(
             tmp_path / preset,
             sliding_window=None,
             max_position_embeddings=None,
+            head_dim=None,
         )
         ours = ModelConfig.from_dir(d)
         hf = AutoConfig.from_pretrained(str(d))
         assert ours.max_position_embeddings == hf.max_position_embeddings, preset
+        # Qwen3's default is 128, not hidden_size / num_attention_heads.
+        assert ours.head_dim == getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)
         assert ours.max_model_len == hf.max_position_embeddings, preset
         # A Mistral config without the key has transformers' 4096 window, in every layer.
         assert ours.sliding_window == getattr(hf, "sliding_window", None), preset
     mistral = ModelConfig.from_dir(tmp_path / "tiny-mistral")
     assert mistral.sliding_window == 4096 and mistral.sliding_layers == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("rope_scaling", "key"),
+    [
+        ({"type": "linear"}, "factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "high_freq_factor"),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+            "original_max_position_embeddings",
+        ),
+    ],
+)
+def test_rope_scaling_without_its_numbers_is_refused_by_name(
+    tmp_path: Path, tiny_llama: Path, rope_scaling: dict[str, object], key: str
+) -> None:
+    # Not a KeyError from deep in the model load: the key, in config.json's terms.
+    d = _config_variant(tiny_llama, tmp_path / "m", rope_scaling=rope_scaling)
+    with pytest.raises(ValueError, match=rf"^config\.json rope_scaling\.{key}: None must be"):
+        ModelConfig.from_dir(d)
 
 
 def test_router_context_limit_is_the_engines(tmp_path: Path, tiny_models: dict[str, Path]) -> None:

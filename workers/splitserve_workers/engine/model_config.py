@@ -27,6 +27,9 @@ _DEFAULT_MAX_POSITIONS = {
 }
 
 
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def _sliding_window(
     cfg: dict[str, Any], arch: str, num_layers: int
 ) -> tuple[int | None, tuple[int, ...]]:
@@ -101,7 +104,9 @@ class ModelConfig:
                 f"config.json num_key_value_heads: {kv_heads} does not divide "
                 f"num_attention_heads {heads}"
             )
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        # Qwen3's config class defaults head_dim to 128, not hidden / heads (Llama, Mistral).
+        default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
+        head_dim = int(cfg.get("head_dim") or default_head_dim)
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         # Absent keys take transformers' defaults for the family (its config classes').
@@ -124,6 +129,13 @@ class ModelConfig:
                     f"config.json rope_scaling.rope_type: {kind!r} is not supported "
                     "(llama3, linear, default)"
                 )
+            needs = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}.get(kind, ())
+            for key in needs:
+                if not isinstance(rope_scaling.get(key), int | float):
+                    raise ValueError(
+                        f"config.json rope_scaling.{key}: {rope_scaling.get(key)!r} must be a "
+                        f"number for rope_type {kind!r}"
+                    )
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else list(eos))
         return cls(

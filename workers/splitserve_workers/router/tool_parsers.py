@@ -11,8 +11,10 @@ Text before the first `<tool_call>` is the answer's content; from it on, the res
 
 `llama3_json` is Llama 3.1-3.3's JSON format: the whole answer is the call(s),
 `{"name": ..., "parameters": {...}}`, several separated by `;` (after the `<|python_tag|>`
-special token, which detokenizing drops; its presence in the template is how `detect` knows).
-An answer that does not start with `{` is plain content.
+special token, which detokenizing drops). `detect` knows it by `<|python_tag|>` in the template
+(3.1, 3.3) or, as Llama 3.2 1B/3B's template has no built-in tools and so no such token, by an
+earlier call rendered as `"parameters": ` in a `<|eot_id|>` turn. An answer that does not start
+with `{` is plain content.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def detect(chat_template: str | None) -> str | None:
     """The parser the model's chat template implies (None: calls cannot be recognised)."""
     if chat_template and OPEN in chat_template and CLOSE in chat_template:
         return "hermes"
-    if chat_template and "<|python_tag|>" in chat_template:
+    if chat_template and (
+        "<|python_tag|>" in chat_template
+        or ('"parameters": ' in chat_template and "<|eot_id|>" in chat_template)
+    ):
         return "llama3_json"
     return None
 
