@@ -232,3 +232,15 @@ def test_which_tokenizers_spell_every_byte(tmp_path: Path, tiny_llama: Path) -> 
         if not expected:
             ids = tok.encode("☃☃☃☃☃☃", add_special_tokens=False)
             assert ids.count(0) == 1 and len(ids) <= 2  # six characters, one <unk>
+
+
+def test_rope_scalings_the_engine_cannot_serve_are_refused_by_name(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    for kind in ("dynamic", "longrope"):
+        d = _config_variant(tiny_llama, tmp_path / kind, rope_scaling={"rope_type": kind})
+        with pytest.raises(ValueError, match=rf"rope_type: '{kind}' is not supported \(llama3"):
+            ModelConfig.from_dir(d)
+    # An empty rope_scaling is the default rope, as transformers reads it.
+    d = _config_variant(tiny_llama, tmp_path / "empty", rope_scaling={})
+    assert ModelConfig.from_dir(d).rope_scaling is None

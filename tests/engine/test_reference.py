@@ -88,3 +88,53 @@ def test_matches_transformers_half_precision(
     # to catch a wrong formula (logits here spread over several units) and the first token.
     torch.testing.assert_close(our_logits[0], ref_logits[0], atol=0.1, rtol=0.05)
     assert ours[0] == ref[0]
+
+
+@pytest.mark.parametrize(
+    ("preset", "yarn"),
+    [
+        # Qwen2.5's documented long-context setting, on a small original context so that the
+        # ramp between kept and slowed dimensions falls inside the tiny head.
+        ("tiny-qwen2", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        # DeepSeek-style: the attention factor from mscale/mscale_all_dim, betas given.
+        (
+            "tiny-llama",
+            {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+            },
+        ),
+        # The attention factor given; no original context (the model's is taken).
+        ("tiny-qwen3", {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.3}),
+    ],
+)
+def test_yarn_rope_matches_transformers(
+    tmp_path: Path,
+    tiny_models: dict[str, Path],
+    preset: str,
+    yarn: dict[str, object],
+    prompt_ids: Callable[..., list[int]],
+) -> None:
+    import json
+    import shutil
+
+    model_dir = tmp_path / preset
+    shutil.copytree(tiny_models[preset], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = yarn
+    (model_dir / "config.json").write_text(json.dumps(config))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", block_size=4))
+    prompt = prompt_ids(engine, 150)  # past the original context
+    ours, our_logits = engine_logits(engine, prompt, 4)
+    ref, ref_logits = reference_logits(model_dir, prompt, 4, torch.float32)
+    assert ours == ref
+    for step, (a, b) in enumerate(zip(our_logits, ref_logits, strict=True)):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4, msg=f"step {step}")
+    # The scaling is in effect: the same files without it give other logits.
+    plain = LLMEngine(EngineConfig(model=str(tiny_models[preset]), device="cpu", block_size=4))
+    assert not torch.allclose(engine_logits(plain, prompt, 1)[1][0], our_logits[0], atol=1e-3)

@@ -122,14 +122,27 @@ class ModelConfig:
             rope_theta = float(rope_params.get("rope_theta", rope_theta))
             kind = rope_params.get("rope_type", rope_params.get("type", "default"))
             rope_scaling = None if kind == "default" else rope_params
+        if rope_scaling == {}:
+            rope_scaling = None  # transformers reads an empty dict as the default rope
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if kind not in ("llama3", "linear", "default"):
+            if kind not in ("llama3", "linear", "yarn", "default"):
                 raise ValueError(
                     f"config.json rope_scaling.rope_type: {kind!r} is not supported "
-                    "(llama3, linear, default)"
+                    "(llama3, linear, yarn, default)"
                 )
-            needs = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}.get(kind, ())
+            if kind == "yarn":
+                # As transformers fills them: the original context defaults to the model's,
+                # and a missing factor is the ratio of the two (DeepSeek-V3's configs).
+                rope_scaling = dict(rope_scaling)
+                old_len = rope_scaling.setdefault("original_max_position_embeddings", max_pos)
+                if rope_scaling.get("factor") is None and isinstance(old_len, int | float):
+                    rope_scaling["factor"] = max_pos / old_len
+            needs = {
+                "linear": ("factor",),
+                "llama3": _LLAMA3_KEYS,
+                "yarn": ("factor", "original_max_position_embeddings"),
+            }.get(kind, ())
             for key in needs:
                 if not isinstance(rope_scaling.get(key), int | float):
                     raise ValueError(
