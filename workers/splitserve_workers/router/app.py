@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import struct
 import sys
 import time
 import uuid
@@ -85,6 +87,9 @@ class RouterOptions:
     poll_interval: float = 0.5
     flow: FlowSettings = field(default_factory=FlowSettings)
     drain_timeout: float = 30.0
+    # A streaming client that takes none of the answer for this long (its TCP window and the
+    # router's send buffer full) is cut: its request is aborted on the workers. 0: never.
+    write_timeout: float = 60.0
     # /ready without a worker in some pool (one that may be scaled to zero).
     ready_without_workers: bool = False
     # /debug/workers lists every worker's address and load; off unless asked for, since the
@@ -1128,6 +1133,17 @@ class _Answer:
             chunk["usage"] = self.usage(delivered=True) if self.req.continuous_usage else None
         return chunk
 
+    async def _send(self, response: web.StreamResponse, data: bytes) -> None:
+        timeout = self.router.options.write_timeout
+        if not timeout:
+            await response.write(data)
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await response.write(data)
+        except TimeoutError:
+            raise _Stalled from None
+
     async def stream(self, request: web.Request) -> web.StreamResponse:
         chunks = self._chunks()
         response: web.StreamResponse | None = None
@@ -1164,7 +1180,7 @@ class _Answer:
                         logprobs = run.logprobs_object(entries)
                         chunk = self._chunk(run, text, reason, logprobs)
                         if chunk is not None:
-                            await response.write(api.sse(chunk))
+                            await self._send(response, api.sse(chunk))
                         elif entries:
                             held_entries[run.index] = entries
             except FlowError as e:
@@ -1173,18 +1189,19 @@ class _Answer:
                 self.status = "error"
                 self.error = e.message
                 err = api.APIError(e.status, e.message, code=e.code)
-                await response.write(api.sse(err.body()))
-                await response.write(api.sse("[DONE]"))
+                await self._send(response, api.sse(err.body()))
+                await self._send(response, api.sse("[DONE]"))
                 return response
             if self.req.include_usage:
-                await response.write(
+                await self._send(
+                    response,
                     api.sse(
                         api.usage_chunk(
                             self.rid, self.model, self.created, self.req.kind, self.usage()
                         )
-                    )
+                    ),
                 )
-            await response.write(api.sse("[DONE]"))
+            await self._send(response, api.sse("[DONE]"))
             self.status = "ok"
             return response
         except ConnectionResetError:
@@ -1196,11 +1213,36 @@ class _Answer:
             if response is not None:
                 return response
             raise
+        except _Stalled:
+            # The client stopped reading: without a cut it held its connection, its stream
+            # on the decode worker and every token generated for it, for as long as it kept
+            # the connection open. Reset, so the kernel drops the unsent data too.
+            self.status = "stalled"
+            log.warning(
+                "%s: the client read nothing for %gs (--write-timeout): cut",
+                self.rid,
+                self.router.options.write_timeout,
+            )
+            await chunks.aclose()  # type: ignore[attr-defined]  # before the reset cancels us
+            transport = request.transport
+            if transport is not None:
+                sock = transport.get_extra_info("socket")
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        linger = struct.pack("ii", 1, 0)
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                transport.abort()
+            assert response is not None  # only writes after prepare raise it
+            return response
         except asyncio.CancelledError:
             self.status = "abort"
             raise
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
+
+
+class _Stalled(Exception):
+    """A write to a streaming client waited longer than --write-timeout."""
 
 
 # ---- the `splitserve router` command --------------------------------------------------------
@@ -1255,6 +1297,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM, seconds to let in-flight requests finish",
+    )
+    parser.add_argument(
+        "--write-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streaming client may read nothing before it is cut and its request "
+        "aborted (counted as status stalled; default 60, 0: never)",
     )
     parser.add_argument(
         "--ready-without-workers",
@@ -1316,6 +1365,7 @@ def check_flags(args: argparse.Namespace) -> None:
         ("admission_timeout", args.admission_timeout, 0),
         ("empty_pool_wait", args.empty_pool_wait, 0),
         ("drain_timeout", args.drain_timeout, 0),
+        ("write_timeout", args.write_timeout, 0),
     ]
     for name, value, minimum in minimums:
         if value is not None and value < minimum:
@@ -1395,6 +1445,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
             decode_kv_reuse=rs.decode_kv_reuse and not args.no_decode_kv_reuse,
         ),
         drain_timeout=args.drain_timeout,
+        write_timeout=args.write_timeout,
         ready_without_workers=args.ready_without_workers,
         debug_endpoints=args.debug_endpoints,
         log_requests=bool(args.log_requests or rs.log_requests),
