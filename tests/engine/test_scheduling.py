@@ -379,6 +379,32 @@ def test_running_interactive_sequence_preempts_a_background_chunked_prefill(
     assert engine.stats().free_blocks == 10
 
 
+@pytest.mark.parametrize("limit", ["blocks", "slots"])
+def test_mixed_passes_let_an_interactive_prompt_preempt_a_background_decode(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]], limit: str
+) -> None:
+    # With mixed passes the running background sequence's decode is scheduled first in the
+    # pass; the interactive prompt must still preempt it rather than wait for it to finish.
+    kw = {"num_kv_blocks": 10} if limit == "blocks" else {"num_kv_blocks": 64, "max_batch_size": 1}
+    engine = make_engine(block_size=4, max_batch_tokens=64, enable_mixed_batches=True, **kw)
+    bg_prompt, fg_prompt = prompt_ids(engine, 20, salt=2), prompt_ids(engine, 14, salt=1)
+    bg_params = SamplingParams(max_tokens=20, ignore_eos=True)
+    fg_params = SamplingParams(max_tokens=2, ignore_eos=True)
+    expected = make_engine().generate([bg_prompt, fg_prompt], [bg_params, fg_params])
+    engine.add_request("bg", bg_prompt, bg_params, Priority.BACKGROUND)
+    first = [o.token_id for o in engine.step() + engine.step()]  # bg's prompt, then a decode
+    engine.add_request("fg", fg_prompt, fg_params, Priority.INTERACTIVE)
+    victims = record_victims(engine)
+    fg_tokens = [o.token_id for o in engine.step() if o.request_id == "fg"]
+    assert len(fg_tokens) == 1  # admitted at once, not after bg's 18 remaining tokens
+    assert victims == ["bg"]
+    outs = drain(engine)
+    bg_tokens = first + [o.token_id for o in outs["bg"] if o.token_id is not None]
+    fg_tokens += [o.token_id for o in outs["fg"] if o.token_id is not None]
+    assert [bg_tokens, fg_tokens] == expected
+    assert engine.stats().free_blocks == engine.stats().total_blocks
+
+
 def test_a_prefill_only_prompt_streaming_its_kv_is_never_preempted(
     make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
 ) -> None:

@@ -96,22 +96,20 @@ class Scheduler:
         # the rest, so a long prompt no longer pauses everyone's next token.
         decode, too_long = self._schedule_decode()
         seqs = list(decode.seqs) if decode else []
-        counts = [1] * len(seqs)
         budget = self.max_batch_tokens - len(seqs)
-        prefill = self._schedule_prefill(budget, set(seqs)) if budget > 0 else None
+        prefill = self._schedule_prefill(budget) if budget > 0 else None
+        # An interactive prompt may have preempted background decodes of this pass.
+        seqs = [s for s in seqs if s.status is SequenceStatus.RUNNING]
+        counts = [1] * len(seqs)
+        num_decode = len(seqs)
         if prefill is not None:
             seqs += prefill.seqs
             counts += prefill.num_new_tokens
         if not seqs:
             return None, too_long
-        num_decode = len(decode.seqs) if decode else 0
         return ScheduledBatch(True, seqs, counts, num_decode), too_long
 
-    def _schedule_prefill(
-        self, budget: int, protected: set[Sequence] | None = None
-    ) -> ScheduledBatch | None:
-        """protected: sequences already in this iteration's batch (a mixed pass's decodes),
-        which admission must not preempt."""
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
         active = len(self.running) + sum(1 for s in self.waiting if s.block_table)
         # Keep one block spare while sequences decode, so admitting a prompt does not force
         # an immediate preemption of a running sequence (recompute ping-pong).
@@ -130,7 +128,7 @@ class Scheduler:
                     # An interactive prompt does not wait behind background work holding the
                     # cache or the batch slots: lower-priority holders are preempted, newest
                     # first, but only when that lets it in.
-                    keep = (protected or set()) | set(seqs)
+                    keep = set(seqs)
                     for victim in self._victims(seq, keep, active, watermark):
                         self.preempt(victim)
                         active -= 1
