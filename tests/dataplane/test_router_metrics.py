@@ -267,3 +267,56 @@ def test_the_live_line_counts_requests_not_choices() -> None:
     text = line.update(generate_latest(registry).decode())
     assert text is not None and text.startswith("2 new request(s)"), text
     assert line.update(generate_latest(registry).decode()) is None  # nothing new
+
+
+# ---- priority at decode admission -------------------------------------------------------------
+
+
+class _Slots:
+    """A decode worker whose Reserve accepts only while it has `free` reservations to give (a
+    full KV cache as the router meets it: refusals until blocks free up), in arrival order."""
+
+    def __init__(self) -> None:
+        self.free = 0
+        self.accepted: list[str] = []
+
+    async def Reserve(self, req: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
+        if self.free <= 0:
+            return pb.ReserveResponse(accepted=False, reason="no_free_blocks", free_blocks=0)
+        self.free -= 1
+        self.accepted.append(req.request_id)
+        return pb.ReserveResponse(accepted=True, free_blocks=0)
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        return pb.AbortResponse()
+
+
+async def test_blocks_that_free_up_go_to_a_waiting_interactive_request_first() -> None:
+    # A decode worker's Reserve does not rank its callers: without the router holding
+    # background requests back, the one that happened to poll first took the freed blocks,
+    # however long an interactive request had waited.
+    decode = fake_pool("decode", {"d:1": (64, 64)})
+    slots = _Slots()
+    decode.workers["d:1"].stub = slots
+    prompt = list(range(5, 25))
+
+    def reserve(rid: str, priority: int) -> asyncio.Task[Any]:
+        flow = Flow(
+            FlowRequest(rid, prompt, pb.SamplingParams(max_tokens=2), priority),
+            FlowSettings(),
+            prefill=fake_pool("prefill", {"p:1": (64, 64)}),
+            decode=decode,
+        )
+        return asyncio.create_task(flow._reserve(rid, pb.ModelSpec(), decode.prompt_key(prompt)))
+
+    background = reserve("background", pb.PRIORITY_BACKGROUND)
+    await asyncio.sleep(0.1)  # refused first: it retries first
+    interactive = reserve("interactive", pb.PRIORITY_INTERACTIVE)
+    await asyncio.sleep(0.1)
+    assert decode.interactive_waiting == 1
+    slots.free = 1  # one request's blocks free up
+    await interactive
+    assert slots.accepted == ["interactive"] and decode.interactive_waiting == 0
+    slots.free = 1
+    await background
+    assert slots.accepted == ["interactive", "background"]

@@ -372,6 +372,9 @@ class WorkerPool:
         self._changed = asyncio.Event()
         self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
         self.prefixes = PrefixIndex()
+        # Interactive requests this router has found the (decode) pool full for and that are
+        # still looking: background ones leave the blocks that free up to them (flow.py).
+        self.interactive_waiting = 0
 
     async def start(self) -> None:
         await self.refresh()
