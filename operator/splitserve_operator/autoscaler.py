@@ -509,6 +509,12 @@ class History:
     settle_from: float | None = None
     last_change: float | None = None  # any change of replicas, up or down
     waiting_since: float | None = None  # since when some pods are not ready (None: all are)
+    # When a scale-up last went around pods that fail to run, and how many: more of them within
+    # a start deadline are waited for like starting pods, so failures the new pods share (a
+    # registry outage old nodes escape by a cached image) grow the pool by one step per
+    # deadline, as before, not by one per settle window.
+    went_around_at: float | None = None
+    gone_around: int = 0
     # decode: (sequences per replica, TPOT percentile) of recent evaluations, for fit_tpot
     tpot_points: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=TPOT_MODEL_POINTS)
@@ -668,8 +674,14 @@ def decide(
         # pod landed (a bad node), so waiting would only hold the SLO breach. Not during a
         # rollout (the new template may be what fails) nor with no pod serving.
         failing = 0
+        recently = (
+            history.went_around_at is not None
+            and now - history.went_around_at < POD_START_DEADLINE_S
+        )
         if state.failing > 0 and state.ready > 0 and not state.rolling_out:
             failing = min(state.failing, max(not_ready, 0))
+            if recently:
+                failing = min(failing, history.gone_around)
         starting = not_ready - failing  # pods that may still become ready
         unscraped = state.ready - scraped
         if starting <= 0:
@@ -736,6 +748,8 @@ def decide(
                 state.replicas, want, verdict, reason, history, now, window, state.max_replicas
             )
         if failing and verdict == SCALE_UP and (starting <= 0 or stuck):
+            if not recently:
+                history.went_around_at, history.gone_around = now, failing
             why = f" ({state.failing_why})" if state.failing_why else ""
             reason = (
                 f"{reason}; {failing} pods fail to run{why} where pods of the same template "

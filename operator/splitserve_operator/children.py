@@ -383,8 +383,9 @@ def superseded_configs(
 ) -> list[str]:
     """The config ConfigMaps of the LLMService with this uid that nothing can mount any more:
     not a Deployment's template, not a ReplicaSet that still has or wants pods (a rollout's old
-    side, which may yet replace a pod), not a pod that exists. Each config version is its own
-    immutable ConfigMap, so these pile up with every config change unless collected. Empty
+    side, which may yet replace a pod), not a pod that exists and has not ended (an evicted
+    pod never starts again). Each config version is its own immutable ConfigMap, so these pile
+    up with every config change unless collected. Empty
     ReplicaSets (the rollout history) do not keep theirs: the operator owns the template, and a
     `kubectl rollout undo` to one is reverted at the next reconcile anyway. With no Deployment
     at all (being created, or deleted and about to be repaired) nothing is judged."""
@@ -397,6 +398,8 @@ def superseded_configs(
         if (rs.get("spec") or {}).get("replicas") or (rs.get("status") or {}).get("replicas"):
             in_use |= mounted_config_maps(rs["spec"]["template"].get("spec") or {})
     for pod in pods:
+        if (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
+            continue  # ended (evicted, say): it never starts again, and lingers until pod GC
         in_use |= mounted_config_maps(pod.get("spec") or {})
     return sorted(
         str(cm["metadata"]["name"])

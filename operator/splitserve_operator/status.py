@@ -84,6 +84,8 @@ def _waiting_detail(cs: dict[str, Any], reason: str, message: str) -> str:
 
 
 UNSCHEDULABLE = "unschedulable: "
+# Pods that ended: no controller counts them as replicas, and they never run again.
+TERMINAL_PHASES = ("Failed", "Succeeded")
 
 
 def pod_cause(pod: dict[str, Any]) -> str | None:
@@ -115,12 +117,17 @@ def pod_cause(pod: dict[str, Any]) -> str | None:
 
 def failing_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The pods that were placed but cannot run (a crash loop, an image that does not pull, a
-    container that cannot be created, a failed pod): waiting does not make them ready. An
-    unschedulable pod is not among them: a node may yet free up or be added for it."""
+    container that cannot be created): waiting does not make them ready. An unschedulable pod
+    is not among them: a node may yet free up or be added for it. Nor is a pod that ended
+    (phase Failed or Succeeded: evicted, a node shut down): its ReplicaSet no longer counts it
+    and has made another in its place, which may be starting, and such a pod object lingers
+    until pod garbage collection."""
     return [
         pod
         for pod in pods
-        if (cause := pod_cause(pod)) is not None and not cause.startswith(UNSCHEDULABLE)
+        if (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES
+        and (cause := pod_cause(pod)) is not None
+        and not cause.startswith(UNSCHEDULABLE)
     ]
 
 

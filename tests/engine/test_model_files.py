@@ -244,3 +244,17 @@ def test_rope_scalings_the_engine_cannot_serve_are_refused_by_name(
     # An empty rope_scaling is the default rope, as transformers reads it.
     d = _config_variant(tiny_llama, tmp_path / "empty", rope_scaling={})
     assert ModelConfig.from_dir(d).rope_scaling is None
+
+
+def test_yarn_serves_the_context_it_stretches_to(tmp_path: Path, tiny_llama: Path) -> None:
+    # Qwen2.5's documented setting: max_position_embeddings stays the original context and
+    # YaRN's factor stretches it (32768 x 4 = 131072 there; 1024 x 4 here), as vLLM serves it.
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    d = _config_variant(tiny_llama, tmp_path / "qwen", rope_scaling=yarn,
+                        max_position_embeddings=1024)  # fmt: skip
+    assert ModelConfig.from_dir(d).max_model_len == 4096
+    # DeepSeek-style: max_position_embeddings already is the stretched length.
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    d = _config_variant(tiny_llama, tmp_path / "ds", rope_scaling=yarn,
+                        max_position_embeddings=1024)  # fmt: skip
+    assert ModelConfig.from_dir(d).max_model_len == 1024

@@ -138,3 +138,28 @@ def test_yarn_rope_matches_transformers(
     # The scaling is in effect: the same files without it give other logits.
     plain = LLMEngine(EngineConfig(model=str(tiny_models[preset]), device="cpu", block_size=4))
     assert not torch.allclose(engine_logits(plain, prompt, 1)[1][0], our_logits[0], atol=1e-3)
+
+
+def test_yarn_serves_past_max_position_embeddings_as_transformers_computes(
+    tmp_path: Path, tiny_models: dict[str, Path], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # Qwen2.5's setting in small: max_position_embeddings is the original context, and YaRN
+    # stretches it by its factor (128 x 4 = 512): a 300-token prompt is served, and matches.
+    import json
+    import shutil
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_models["tiny-qwen2"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 128
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    config["rope_scaling"] = yarn
+    (model_dir / "config.json").write_text(json.dumps(config))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", block_size=4))
+    assert engine.model_config.max_model_len == 512
+    prompt = prompt_ids(engine, 300)
+    ours, our_logits = engine_logits(engine, prompt, 3)
+    ref, ref_logits = reference_logits(model_dir, prompt, 3, torch.float32)
+    assert ours == ref
+    for step, (a, b) in enumerate(zip(our_logits, ref_logits, strict=True)):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4, msg=f"step {step}")

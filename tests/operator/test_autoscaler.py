@@ -405,6 +405,24 @@ def test_pods_that_fail_to_run_where_their_template_serves_are_not_waited_for() 
         OBJ, histories, 30.0, WINDOW, settle=60.0,
     )["decode"]  # fmt: skip
     assert d.verdict == "Settling", d.reason
+    # The pods that scale-up added fail too (something they share, which the old pods
+    # escape): the pool is not grown again at every settle window, but waits out the start
+    # deadline as before, and only then goes around them once more.
+    failing = grown - 2
+    for now in (120.0, POD_START_DEADLINE_S - 1):
+        d = decide(
+            {"prefill": pool("prefill"),
+             "decode": pool("decode", grown, ready=2, failing=failing)},  # type: ignore[arg-type]
+            {"prefill": steady_prefill(2), "decode": slow},
+            OBJ, histories, now, WINDOW, settle=60.0,
+        )["decode"]  # fmt: skip
+        assert (d.verdict, d.replicas) == (WAITING_FOR_PODS, grown), (now, d.reason)
+    d = decide(
+        {"prefill": pool("prefill"), "decode": pool("decode", grown, ready=2, failing=failing)},  # type: ignore[arg-type]
+        {"prefill": steady_prefill(2), "decode": slow},
+        OBJ, histories, POD_START_DEADLINE_S, WINDOW, settle=60.0,
+    )["decode"]  # fmt: skip
+    assert d.verdict == SCALE_UP and d.replicas > grown, d.reason
     # A pod still starting beside it is waited for, as before.
     histories.clear()
     d = decode_at(0.0, replicas=4)
@@ -1144,3 +1162,24 @@ def test_the_scaler_counts_the_pool_pods_that_fail_to_run() -> None:
     kube.lists = 0
     assert scaler.with_failing(pool("decode", 3), "team-a", "chat").failing == 0
     assert kube.lists == 0
+
+
+def test_an_evicted_pod_does_not_stop_the_wait_for_its_replacement() -> None:
+    # Evicted pods stay as Failed pod objects until pod GC; the ReplicaSet has replaced the
+    # evicted one, and that replacement (still starting) is what the pool waits for: a breach
+    # answered now would be answered twice.
+    serving = pod(name="serving", phase="Running")
+    serving["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    evicted = pod(name="evicted", phase="Failed")
+    evicted["status"].update(reason="Evicted", message="The node was low on resource: memory.")
+    starting = pod(name="starting", waiting=("ContainerCreating", ""))
+    scaler = scaler_on(PodsKube([serving, evicted, starting]), [], [0.0])
+    state = scaler.with_failing(pool("decode", 2, ready=1), "team-a", "chat")
+    assert state.failing == 0, state.failing_why
+    slow = Signals(reporting=1, latency=0.08, kv_usage=0.3, running=10)
+    d = decide(
+        {"prefill": pool("prefill"), "decode": state},
+        {"prefill": steady_prefill(2), "decode": slow},
+        OBJ, {}, 0.0, WINDOW, settle=60.0,
+    )["decode"]  # fmt: skip
+    assert (d.verdict, d.replicas) == (WAITING_FOR_PODS, 2), d.reason

@@ -472,3 +472,16 @@ def test_superseded_configs_are_those_nothing_can_mount() -> None:
     assert "c-mid" not in superseded_configs(maps, "uid-1", deployments, [live_rs], [])
     # No Deployment (being created, or deleted and about to be repaired): nothing is judged.
     assert superseded_configs(maps, "uid-1", [], [], []) == []
+
+
+def test_a_pod_that_ended_keeps_no_config_version() -> None:
+    # An evicted pod (phase Failed) lingers until pod garbage collection, which by default
+    # waits for thousands of terminated pods: it never starts again, so its version can go.
+    maps = [_cm("c-old"), _cm("c-new")]
+    deployments = [_mounting("Deployment", "c-new")]
+    evicted = _mounting("Pod", "c-old")
+    evicted["status"] = {"phase": "Failed", "reason": "Evicted"}
+    assert superseded_configs(maps, "uid-1", deployments, [], [evicted]) == ["c-old"]
+    running = _mounting("Pod", "c-old")
+    running["status"] = {"phase": "Running"}
+    assert superseded_configs(maps, "uid-1", deployments, [], [evicted, running]) == []

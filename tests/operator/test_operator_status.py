@@ -385,14 +385,17 @@ def test_a_pool_the_autoscaler_put_to_sleep_is_not_unready() -> None:
 def test_failing_pods_are_the_placed_ones_that_cannot_run() -> None:
     crash = pod(name="crash", waiting=("CrashLoopBackOff", "back-off 40s"), last_exit=("Error", 1))
     pull = pod(name="pull", waiting=("ImagePullBackOff", "Back-off pulling image"))
-    failed = pod(name="failed", phase="Failed")
     # Not failing: a pod the scheduler cannot place yet (a node may free up or be added), one
-    # just starting, one on its way out.
+    # just starting, one on its way out, one that ended (evicted: its ReplicaSet replaced it,
+    # and the pod object lingers until pod garbage collection).
+    evicted = pod(name="evicted", phase="Failed")
+    evicted["status"].update(reason="Evicted", message="The node was low on resource: memory.")
     waiting = [
         pod(name="pending", unschedulable=UNSCHEDULABLE),
         pod(name="starting", waiting=("ContainerCreating", "")),
         pod(name="going", waiting=("CrashLoopBackOff", ""), deleting=True),
+        evicted,
     ]
-    got = failing_pods([crash, *waiting, pull, failed])
-    assert [p["metadata"]["name"] for p in got] == ["crash", "pull", "failed"]
+    got = failing_pods([crash, *waiting, pull])
+    assert [p["metadata"]["name"] for p in got] == ["crash", "pull"]
     assert failing_pods(waiting) == []

@@ -70,7 +70,9 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    max_model_len: int  # the engine's limit: max_position_embeddings unless configured lower
+    # the engine's limit: max_position_embeddings (with YaRN, the original context x factor if
+    # longer) unless configured lower
+    max_model_len: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 when attention_bias
     o_bias: bool = False  # Llama/Qwen3 when attention_bias (Qwen2 never)
@@ -149,6 +151,12 @@ class ModelConfig:
                         f"config.json rope_scaling.{key}: {rope_scaling.get(key)!r} must be a "
                         f"number for rope_type {kind!r}"
                     )
+            if kind == "yarn":
+                # YaRN stretches the original context by `factor`: Qwen2.5's documented setting
+                # keeps max_position_embeddings at 32768 and serves 131072 (vLLM derives the
+                # same); DeepSeek-style configs already say the stretched length.
+                old_len = rope_scaling["original_max_position_embeddings"]
+                max_len = max(max_pos, int(old_len * rope_scaling["factor"]))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else list(eos))
         return cls(

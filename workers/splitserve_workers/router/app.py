@@ -1302,8 +1302,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--write-timeout",
         type=float,
         default=60.0,
-        help="seconds a streaming client may read nothing before it is cut and its request "
-        "aborted (counted as status stalled; default 60, 0: never)",
+        help="seconds one write to a streaming client may wait (its buffers full) before it "
+        "is cut and its request aborted (counted as status stalled; default 60, 0: never)",
     )
     parser.add_argument(
         "--ready-without-workers",
