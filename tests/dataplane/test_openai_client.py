@@ -723,6 +723,19 @@ def test_echo_with_logprobs_scores_the_prompt(stack: dict[str, Any], engine: Any
     assert streamed_tokens == lp.tokens
     assert streamed_values[0] is None
     assert streamed_values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    # A hand-formatted prompt spells special tokens out: they are in the echoed text (only the
+    # BOS the tokenizer added is not), so the offsets after them count their characters.
+    spelled = "<|im_start|>user hi<|im_end|> ok"
+    assert tok.token_to_id("<|im_start|>") in tok.encode(spelled)
+    resp = client(stack).completions.create(**{**args, "prompt": spelled})
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.text_offset is not None
+    assert choice.text.startswith(spelled) and lp.tokens[0] == tok.bos_token
+    assert lp.text_offset[:2] == [0, 0]
+    for token, offset in zip(lp.tokens[1:], lp.text_offset[1:], strict=True):
+        if not token.startswith("bytes:"):
+            assert choice.text[offset : offset + len(token)] == token, (token, offset)
 
 
 def test_the_router_process_never_loads_torch(stack: dict[str, Any]) -> None:

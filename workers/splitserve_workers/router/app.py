@@ -764,6 +764,19 @@ class _Run:
         finally:
             await tokens.aclose()  # type: ignore[attr-defined]
 
+    def _added_prompt_tokens(self) -> int | None:
+        """For a text prompt, how many of its first ids the tokenizer added (a BOS) rather than
+        spelled from the text; None for token ids (echoed as their decoded text, which leaves
+        every special token out) and chat."""
+        if self.req.kind == "chat":
+            return None
+        prompt = self.req.prompts[self.index // self.req.n]
+        if not isinstance(prompt, str):
+            return None
+        plain = self.router.tokenizer.encode(prompt, add_special_tokens=False)
+        added = len(self.prompt_ids) - len(plain)
+        return added if added >= 0 and self.prompt_ids[added:] == plain else 0
+
     def _logprobs(self, chunk: TokenChunk) -> list[api.TokenLogprob]:
         if not self.req.logprobs:
             return []
@@ -784,6 +797,14 @@ class _Run:
                 self.prompt_ids[1:], chunk.prompt_logprobs, strict=False
             ):
                 entries.append(entry(token_id, logprob, top))
+            added = self._added_prompt_tokens()
+            if added is not None:
+                # A text prompt is echoed as the client wrote it: a special token it spells
+                # out (a hand-written "<|im_start|>") is in the text; only those the tokenizer
+                # added (a BOS) are not.
+                for k, e in enumerate(entries[: len(self.prompt_ids)]):
+                    if k >= added:
+                        e.shown = None
         # A worker sends one logprob per token when asked; a shorter list is a worker that
         # did not (an older one): those tokens get no entry rather than a made-up value.
         for i, (token_id, logprob) in enumerate(zip(chunk.token_ids, chunk.logprobs, strict=False)):
