@@ -32,8 +32,8 @@ def test_a_client_that_stops_reading_is_cut(
         {
             "model": "tiny",
             "prompt": "a long story begins",
-            "max_tokens": 800,
-            "n": 24,
+            "max_tokens": 1000,
+            "n": 48,
             "logprobs": 5,
             "ignore_eos": True,
             "stream": True,
@@ -60,6 +60,16 @@ def test_a_client_that_stops_reading_is_cut(
         while time.monotonic() < deadline and load(decode.endpoint, "decode").running:
             time.sleep(0.1)
         assert load(decode.endpoint, "decode").running == 0
+        # ... because it was aborted, not because it ran to the end: far fewer tokens were
+        # generated than the request asked for.
+        assert decode.metrics_port is not None
+        page = httpx.get(f"http://127.0.0.1:{decode.metrics_port}/metrics", timeout=WAIT_S).text
+        (generated,) = [
+            float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            if line.startswith("splitserve_generation_tokens_processed_total{")
+        ]
+        assert generated < 0.9 * 48 * 1000, generated
         # Its connection was reset rather than left open.
         client.settimeout(WAIT_S)
         with pytest.raises(ConnectionResetError):
