@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import aiohttp
 from splitserve_workers.local import ensure_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import Stack, one_request, percentiles  # noqa: E402 - the serving benchmark's
+from serve import Stack, one_request, percentiles, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Router settings per configuration: the prefill policies, and cache_aware without the decode
@@ -180,24 +179,15 @@ def main() -> int:
         f"no KV reuse / cache_aware: TTFT p50 {reuse_ratio['p50']:.2f}x, "
         f"p90 {reuse_ratio['p90']:.2f}x; KV bytes {kv_ratio:.2f}x"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
-    settings["model"] = model.name
-    settings["cpu_count"] = os.cpu_count()
-    out.write_text(
-        json.dumps(
-            {
-                "settings": settings,
-                "results": results,
-                "ttft_ratio": ratio,
-                "no_kv_reuse": {"ttft_ratio": reuse_ratio, "kv_bytes_ratio": kv_ratio},
-            },
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        args,
+        model,
+        {
+            "results": results,
+            "ttft_ratio": ratio,
+            "no_kv_reuse": {"ttft_ratio": reuse_ratio, "kv_bytes_ratio": kv_ratio},
+        },
     )
-    print(f"wrote {out}")
     return 0
 
 

@@ -49,9 +49,13 @@ class Sample:
 
 
 async def one_request(
-    session: aiohttp.ClientSession, base: str, prompt: list[int], output_len: int
+    session: aiohttp.ClientSession,
+    base: str,
+    prompt: list[int],
+    output_len: int,
+    priority: str | None = None,
 ) -> Sample:
-    body = {
+    body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": output_len,
         "ignore_eos": True,
@@ -59,6 +63,8 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if priority is not None:
+        body["priority"] = priority
     start = time.perf_counter()
     times: list[float] = []
     usage: dict[str, Any] = {}
@@ -93,6 +99,17 @@ async def one_request(
         itls=[b - a for a, b in zip(times, times[1:], strict=False)],
         cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
     )
+
+
+def write_results(args: argparse.Namespace, model: Path, payload: dict[str, Any]) -> None:
+    """`payload` with the run's settings (the arguments, the model, the CPUs) to --out."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings["model"] = model.name
+    settings["cpu_count"] = os.cpu_count()
+    out.write_text(json.dumps({"settings": settings, **payload}, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -241,13 +258,7 @@ def main() -> int:
     for mode, r in results.items():
         for error in r["errors"]:
             print(f"{mode}: failed request: {error[:200]}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
-    settings["model"] = model.name
-    settings["cpu_count"] = os.cpu_count()
-    out.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(args, model, {"results": results})
     return 0
 
 
