@@ -93,6 +93,9 @@ class Oracle:
     def __init__(self, *_: int) -> None:
         pass
 
+    def add(self, token_ids: list[int]) -> None:
+        pass  # the answers are known: nothing to index
+
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         for prompt, answer in self.answers.items():
             n = len(prompt)

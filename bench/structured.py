@@ -208,7 +208,7 @@ def main() -> int:
     # Compile first, on fresh Grammars (the engine's own cache then compiles once, in warm-up).
     compiled = compile_times(engine, grammar, 2 if args.quick else 5)
 
-    def constrained_rows(seqs: list[Any], vocab: int) -> int:
+    def constrained_rows(seqs: list[Any], vocab: int, drafts: Any = None) -> int:
         return sum(s.matcher is not None for s in seqs)
 
     masks = Timer(engine_module._grammar_masks, constrained_rows)  # noqa: SLF001
