@@ -1,7 +1,8 @@
-"""The engine benchmarks still run end to end on a tiny model: engine.py, and the two that drive
-the engine's internals (speculative.py's stand-in drafter, structured.py's timed grammar hook),
-which engine changes broke twice unseen until someone ran `make bench`. Their numbers are not
-checked here: benchmarks measure, tests do not."""
+"""The benchmarks still run end to end on the tiny model: engine.py, the two that drive the
+engine's internals (speculative.py's stand-in drafter, structured.py's timed grammar hook),
+which engine changes broke twice unseen until someone ran `make bench`, and the three that
+start local stacks (serve.py, prefix_routing.py, priority.py). Their numbers are not checked
+here: benchmarks measure, tests do not; every request must succeed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,3 +61,31 @@ def test_engine_benchmark_runs(tiny_llama: Path, tmp_path: Path) -> None:
     assert {(r["phase"], r["batch"]) for r in rows} >= {("prefill", 1), ("decode", 4)}
     for r in rows:
         assert {"ours_tokens_per_s", "transformers_tokens_per_s", "ratio"} <= r.keys()
+
+
+@pytest.mark.slow
+def test_stack_benchmarks_run(tiny_llama: Path, tmp_path: Path) -> None:
+    model = str(tiny_llama)
+    out = {name: tmp_path / f"{name}.json" for name in ("serve", "prefix_routing", "priority")}
+    run_bench(
+        "serve.py", "--model", model, "--workers", "2", "--rate", "20", "--num-requests", "6",
+        "--input-len", "16", "--output-len", "4", "--out", str(out["serve"]),
+    )  # fmt: skip
+    for mode, r in json.loads(out["serve"].read_text())["results"].items():
+        assert (r["requests"], r["failed"]) == (6, 0), (mode, r["errors"])
+    run_bench(
+        "prefix_routing.py", "--model", model, "--rounds", "1", "--conversations", "2",
+        "--turns", "2", "--first-len", "32", "--turn-len", "8", "--output-len", "2",
+        "--out", str(out["prefix_routing"]),
+    )  # fmt: skip
+    routing = json.loads(out["prefix_routing"].read_text())["results"]
+    assert all(r["later_turns"] == 2 for r in routing.values()), routing
+    run_bench(
+        "priority.py", "--model", model, "--flood", "4", "--flood-prompt", "32",
+        "--flood-tokens", "16", "--probes", "4", "--probe-tokens", "4", "--rounds", "1",
+        "--settle", "0.2", "--out", str(out["priority"]),
+    )  # fmt: skip
+    for mode, r in json.loads(out["priority"].read_text())["results"].items():
+        for flood in ("none", "background", "interactive"):
+            assert (r[flood]["probes"], r[flood]["probes_failed"]) == (4, 0), (mode, flood, r)
+            assert r[flood]["flood_failed"] == 0, (mode, flood, r)
