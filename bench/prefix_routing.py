@@ -30,7 +30,7 @@ import aiohttp
 from splitserve_workers.local import ensure_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import Stack, one_request, percentiles, write_results  # noqa: E402
+from serve import Stack, one_request, percentiles, stack_parser, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Router settings per configuration: the prefill policies, and cache_aware without the decode
@@ -110,10 +110,7 @@ def summary(
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model")
-    p.add_argument("--preset", default="small")
-    p.add_argument("--device", default="auto")
+    p = stack_parser(__doc__, modes=False)
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--conversations", type=int, default=8)

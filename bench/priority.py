@@ -35,6 +35,7 @@ from serve import (  # noqa: E402 - the serving benchmark's
     Stack,
     one_request,
     percentiles,
+    stack_parser,
     write_results,
 )
 
@@ -91,11 +92,7 @@ def summary(probes: list[Sample], flooded: list[Sample]) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model")
-    p.add_argument("--preset", default="tiny-llama")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--modes", default="disaggregated,colocated")
+    p = stack_parser(__doc__, preset="tiny-llama")
     p.add_argument("--flood", type=int, default=32, help="flood requests, sent at once")
     p.add_argument("--flood-prompt", type=int, default=400)
     p.add_argument("--flood-tokens", type=int, default=600)

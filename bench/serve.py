@@ -194,12 +194,20 @@ class Stack:
                 self.proc.kill()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def stack_parser(doc: str, preset: str = "small", modes: bool = True) -> argparse.ArgumentParser:
+    """The arguments of every benchmark that starts local stacks: the model (a directory, or a
+    preset built once), the device, and (modes) which stacks to compare."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--model")
-    p.add_argument("--preset", default="small")
+    p.add_argument("--preset", default=preset)
     p.add_argument("--device", default="auto")
-    p.add_argument("--modes", default="disaggregated,colocated")
+    if modes:
+        p.add_argument("--modes", default="disaggregated,colocated")
+    return p
+
+
+def main() -> int:
+    p = stack_parser(__doc__)
     p.add_argument("--workers", type=int, default=2, help="worker processes per mode")
     p.add_argument("--rate", type=float, default=2.0, help="requests/s (Poisson)")
     p.add_argument("--num-requests", type=int, default=40)

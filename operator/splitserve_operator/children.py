@@ -25,6 +25,7 @@ from .names import (
 )
 from .podtemplate import pod_template
 from .spec import POOLS, Spec
+from .status import pod_ended
 from .workerconfig import config_hash, serving_config
 
 
@@ -398,8 +399,8 @@ def superseded_configs(
         if (rs.get("spec") or {}).get("replicas") or (rs.get("status") or {}).get("replicas"):
             in_use |= mounted_config_maps(rs["spec"]["template"].get("spec") or {})
     for pod in pods:
-        if (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
-            continue  # ended (evicted, say): it never starts again, and lingers until pod GC
+        if pod_ended(pod):
+            continue  # evicted, say: it never starts again
         in_use |= mounted_config_maps(pod.get("spec") or {})
     return sorted(
         str(cm["metadata"]["name"])

@@ -333,17 +333,21 @@ class Operator:
             meta = (live or {}).get("metadata") or {}
             if not any(o.get("uid") == uid for o in meta.get("ownerReferences") or []):
                 continue
-            # The precondition: if it was replaced since the read, the namesake stays.
-            options = {"preconditions": {"uid": meta.get("uid")}}
-            try:
-                self.kube.request("DELETE", ref.path(), body=options)
-            except KubeError as e:
-                if e.status == 409:
-                    continue
-                if e.status != 404:
-                    raise
-            deleted.append(str(ref))
+            if self._delete_unless_replaced(ref, str(meta.get("uid"))):
+                deleted.append(str(ref))
         return deleted
+
+    def _delete_unless_replaced(self, ref: Ref, uid: str) -> bool:
+        """DELETE the object read with this uid; whether it is gone (False: it was replaced
+        since the read, and the precondition keeps the namesake)."""
+        try:
+            self.kube.request("DELETE", ref.path(), body={"preconditions": {"uid": uid}})
+        except KubeError as e:
+            if e.status == 409:
+                return False
+            if e.status != 404:
+                raise
+        return True
 
     def retire_configs(self, namespace: str, service: str, uid: str) -> list[str]:
         """Delete this LLMService's config ConfigMaps that no Deployment, live ReplicaSet or pod
@@ -370,19 +374,9 @@ class Operator:
             stale = superseded_configs(
                 maps, uid, users["deployments"], users["replicasets"], users["pods"]
             )
-            deleted = []
-            for name in stale:
-                ref = Ref("v1", "ConfigMap", namespace, name)
-                live = next(m for m in maps if m["metadata"]["name"] == name)
-                options = {"preconditions": {"uid": live["metadata"]["uid"]}}
-                try:
-                    self.kube.request("DELETE", ref.path(), body=options)
-                except KubeError as e:
-                    if e.status not in (404, 409):
-                        raise
-                    continue
-                deleted.append(str(ref))
-            return deleted
+            uids = {m["metadata"]["name"]: str(m["metadata"]["uid"]) for m in maps}
+            refs = [Ref("v1", "ConfigMap", namespace, name) for name in stale]
+            return [str(r) for r in refs if self._delete_unless_replaced(r, uids[r.name])]
 
     def retire_configs_quietly(
         self, namespace: str, service: str, uid: str, logger: logging.Logger | kopf.Logger

@@ -84,8 +84,12 @@ def _waiting_detail(cs: dict[str, Any], reason: str, message: str) -> str:
 
 
 UNSCHEDULABLE = "unschedulable: "
-# Pods that ended: no controller counts them as replicas, and they never run again.
-TERMINAL_PHASES = ("Failed", "Succeeded")
+
+
+def pod_ended(pod: dict[str, Any]) -> bool:
+    """Phase Failed or Succeeded (evicted, its node shut down): no controller counts it as a
+    replica, it never runs again, and its object lingers until pod garbage collection."""
+    return (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded")
 
 
 def pod_cause(pod: dict[str, Any]) -> str | None:
@@ -125,7 +129,7 @@ def failing_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         pod
         for pod in pods
-        if (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES
+        if not pod_ended(pod)
         and (cause := pod_cause(pod)) is not None
         and not cause.startswith(UNSCHEDULABLE)
     ]

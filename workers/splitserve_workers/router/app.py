@@ -732,7 +732,7 @@ class _Run:
         self.counts: collections.deque[int] = collections.deque()
         self.finish_reason: str | None = None
         self.first = True  # no chunk of this choice has gone out yet
-        self.sent = b""  # text bytes of the tokens whose logprobs went out (for text_offset)
+        self.text_cursor = api.TextCursor()  # past the tokens whose logprobs went out
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """(text delta, finish_reason or None, the event's tokens' logprobs if asked) per worker
@@ -813,14 +813,13 @@ class _Run:
         return entries
 
     def logprobs_object(self, entries: list[api.TokenLogprob]) -> dict[str, Any] | None:
-        """choices[].logprobs for these tokens (None unless asked), and their bytes counted as
-        sent (legacy completions' text_offset counts from the choice's start)."""
+        """choices[].logprobs for these tokens (None unless asked); legacy completions' cursor
+        moves past them (text_offset counts from the choice's start)."""
         if not self.req.logprobs:
             return None
-        before, self.sent = self.sent, self.sent + b"".join(e.text_bytes for e in entries)
         if self.req.kind == "chat":
             return api.chat_logprobs(entries)
-        return api.completion_logprobs(entries, before)
+        return api.completion_logprobs(entries, self.text_cursor)
 
     def _observe(self, chunk: TokenChunk) -> None:
         if chunk.token_ids:

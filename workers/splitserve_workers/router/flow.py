@@ -269,6 +269,7 @@ class Flow:
         self.stats = FlowStats()
         self._sent = 0  # tokens yielded
         self._decode_claim: DecodeClaim | None = None  # the reservation's place on its worker
+        self._counted_waiting = False  # in self.decode.interactive_waiting
 
     def tokens(self) -> AsyncIterator[TokenChunk]:
         if self.colocated is not None:
@@ -395,6 +396,22 @@ class Flow:
         key: PromptKey,
         before_first_token: bool = True,
     ) -> Worker:
+        """_reserve_rounds, and this request no longer counted among the interactive ones
+        waiting for decode blocks once it has its reservation or fails."""
+        try:
+            return await self._reserve_rounds(worker_rid, source, key, before_first_token)
+        finally:
+            if self._counted_waiting:
+                self.decode.interactive_waiting -= 1  # type: ignore[union-attr]
+                self._counted_waiting = False
+
+    async def _reserve_rounds(
+        self,
+        worker_rid: str,
+        source: serving_pb2.ModelSpec,
+        key: PromptKey,
+        before_first_token: bool,
+    ) -> Worker:
         """A decode worker holding blocks for the prompt; `source` is the ModelSpec of the
         prefill worker whose KV it will receive (the decode side checks compatibility).
         `before_first_token`: the wait is part of the time to first token (the stage split's
@@ -405,119 +422,112 @@ class Flow:
         empty_until: float | None = None
         last_reason = "no decode workers"
         background = self.req.priority == serving_pb2.PRIORITY_BACKGROUND
-        counted = False  # in self.decode.interactive_waiting
-        try:
-            while True:
-                if background and self.decode.interactive_waiting > 0:
-                    # An interactive request waits for blocks: those that free up go to it
-                    # first (a decode worker's Reserve does not rank callers).
-                    why = "a background request, behind interactive ones waiting for blocks"
-                    remaining = self._admission_left(deadline, why)
-                    await self.decode.wait_for_change(min(remaining, 1.0))
-                    continue
-                tried: set[str] = set()
-                # Refusals that waiting cannot fix: a model mismatch, or a request this worker can
-                # never hold (too long for its cache or its context limit).
-                incompatible = too_big = 0
-                too_small: dict[str, tuple[str, str | None]] = {}  # endpoint -> (why, field)
-                while True:
-                    worker, held = self.decode.pick_cached(tried, key)
-                    if worker is None:
-                        break
-                    tried.add(worker.load.endpoint)
-                    if (refusal := self.req.too_big_for(worker)) is not None:
-                        too_small[worker.load.endpoint] = refusal
-                        last_reason = refusal[0]
-                        too_big += 1
-                        continue
-                    # Claimed now, before the reservation's await, as the prefill pick is: the
-                    # requests of a burst all pick before any Reserve returns, and unclaimed they
-                    # all went to one decode worker.
-                    block = self.decode.block_size()  # the one `held` is counted in
-                    need = -(-(len(self.req.prompt_token_ids) + 1) // block)
-                    claim = DecodeClaim(worker.load, need - min(held // block, need - 1))
-                    try:
-                        resp = await worker.stub.Reserve(
-                            serving_pb2.ReserveRequest(
-                                request_id=worker_rid,
-                                model=source,
-                                num_prompt_tokens=len(self.req.prompt_token_ids),
-                                max_tokens=self.req.max_tokens,
-                                priority=self.req.priority,
-                                # The worker looks the prompt up in its prefix cache: what it
-                                # holds (earlier turns it generated) need not travel.
-                                prompt_token_ids=(
-                                    self.req.prompt_token_ids
-                                    if self.settings.decode_kv_reuse
-                                    else ()
-                                ),
-                            ),
-                            timeout=self.settings.rpc_timeout_seconds,
-                        )
-                    except asyncio.CancelledError:
-                        # The client left while the call was out: it may have reserved anyway.
-                        claim.release()
-                        _spawn(_abort(worker, worker_rid, self.settings.abort_timeout_seconds))
-                        raise
-                    except grpc.aio.AioRpcError as e:
-                        claim.release()
-                        last_reason = f"{worker.load.endpoint}: {_rpc_reason(e)}"
-                        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                            too_big += 1
-                        elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                            # Busy, not dead (Load polls judge health), and the reservation may
-                            # have landed after all: give its blocks back now, not at lease end.
-                            _spawn(_abort(worker, worker_rid, self.settings.abort_timeout_seconds))
-                        else:
-                            self.decode.mark_failed(worker.load.endpoint, _rpc_reason(e))
-                        continue
-                    except BaseException:
-                        claim.release()
-                        raise
-                    if resp.accepted:
-                        claim.reserved(resp.free_blocks)
-                        self._decode_claim = claim
-                        if before_first_token:
-                            # Every reservation the first token waited for counts (a retry's too).
-                            waited = time.monotonic() - start
-                            self.stats.decode_admission_seconds = (
-                                self.stats.decode_admission_seconds or 0.0
-                            ) + waited
-                        self.stats.decode_endpoint = worker.load.endpoint
-                        self.stats.decode_cached_tokens = resp.num_cached_tokens
-                        self.decode.sent(worker, key)  # it holds the prompt's blocks from now on
-                        return worker
-                    claim.release()
-                    last_reason = f"{worker.load.endpoint}: {resp.reason}"
-                    worker.load.free_blocks = resp.free_blocks
-                    if resp.reason == "draining":
-                        worker.load.draining = True
-                    elif resp.reason.startswith("incompatible"):
-                        incompatible += 1
-                if tried and too_big and incompatible + too_big == len(tried):
-                    error = self._too_large("decode", self.decode, too_small, tried, last_reason)
-                    if error is not None:
-                        raise error
-                if tried and incompatible == len(tried):
-                    raise FlowError(
-                        502,
-                        f"no decode worker can take this prefill worker's KV ({last_reason})",
-                        code="incompatible_workers",
-                    )
-                if not tried:  # no decode worker at all (the pool at zero, or all restarting)
-                    waited = await self._wait_for_workers(self.decode, "decode", empty_until)
-                    empty_until = waited
-                    continue
-                remaining = self._admission_left(deadline, last_reason)
-                if not background and not counted:
-                    # Refused everywhere: background requests wait behind this one from now.
-                    self.decode.interactive_waiting += 1
-                    counted = True
-                # Full everywhere: wait for the next Load poll (blocks free up as requests end).
+        while True:
+            if background and self.decode.interactive_waiting > 0:
+                # An interactive request waits for blocks: those that free up go to it
+                # first (a decode worker's Reserve does not rank callers).
+                why = "a background request, behind interactive ones waiting for blocks"
+                remaining = self._admission_left(deadline, why)
                 await self.decode.wait_for_change(min(remaining, 1.0))
-        finally:
-            if counted:
-                self.decode.interactive_waiting -= 1
+                continue
+            tried: set[str] = set()
+            # Refusals that waiting cannot fix: a model mismatch, or a request this worker can
+            # never hold (too long for its cache or its context limit).
+            incompatible = too_big = 0
+            too_small: dict[str, tuple[str, str | None]] = {}  # endpoint -> (why, field)
+            while True:
+                worker, held = self.decode.pick_cached(tried, key)
+                if worker is None:
+                    break
+                tried.add(worker.load.endpoint)
+                if (refusal := self.req.too_big_for(worker)) is not None:
+                    too_small[worker.load.endpoint] = refusal
+                    last_reason = refusal[0]
+                    too_big += 1
+                    continue
+                # Claimed now, before the reservation's await, as the prefill pick is: the
+                # requests of a burst all pick before any Reserve returns, and unclaimed they
+                # all went to one decode worker.
+                block = self.decode.block_size()  # the one `held` is counted in
+                need = -(-(len(self.req.prompt_token_ids) + 1) // block)
+                claim = DecodeClaim(worker.load, need - min(held // block, need - 1))
+                try:
+                    resp = await worker.stub.Reserve(
+                        serving_pb2.ReserveRequest(
+                            request_id=worker_rid,
+                            model=source,
+                            num_prompt_tokens=len(self.req.prompt_token_ids),
+                            max_tokens=self.req.max_tokens,
+                            priority=self.req.priority,
+                            # The worker looks the prompt up in its prefix cache: what it
+                            # holds (earlier turns it generated) need not travel.
+                            prompt_token_ids=(
+                                self.req.prompt_token_ids if self.settings.decode_kv_reuse else ()
+                            ),
+                        ),
+                        timeout=self.settings.rpc_timeout_seconds,
+                    )
+                except asyncio.CancelledError:
+                    # The client left while the call was out: it may have reserved anyway.
+                    claim.release()
+                    _spawn(_abort(worker, worker_rid, self.settings.abort_timeout_seconds))
+                    raise
+                except grpc.aio.AioRpcError as e:
+                    claim.release()
+                    last_reason = f"{worker.load.endpoint}: {_rpc_reason(e)}"
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        too_big += 1
+                    elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        # Busy, not dead (Load polls judge health), and the reservation may
+                        # have landed after all: give its blocks back now, not at lease end.
+                        _spawn(_abort(worker, worker_rid, self.settings.abort_timeout_seconds))
+                    else:
+                        self.decode.mark_failed(worker.load.endpoint, _rpc_reason(e))
+                    continue
+                except BaseException:
+                    claim.release()
+                    raise
+                if resp.accepted:
+                    claim.reserved(resp.free_blocks)
+                    self._decode_claim = claim
+                    if before_first_token:
+                        # Every reservation the first token waited for counts (a retry's too).
+                        waited = time.monotonic() - start
+                        self.stats.decode_admission_seconds = (
+                            self.stats.decode_admission_seconds or 0.0
+                        ) + waited
+                    self.stats.decode_endpoint = worker.load.endpoint
+                    self.stats.decode_cached_tokens = resp.num_cached_tokens
+                    self.decode.sent(worker, key)  # it holds the prompt's blocks from now on
+                    return worker
+                claim.release()
+                last_reason = f"{worker.load.endpoint}: {resp.reason}"
+                worker.load.free_blocks = resp.free_blocks
+                if resp.reason == "draining":
+                    worker.load.draining = True
+                elif resp.reason.startswith("incompatible"):
+                    incompatible += 1
+            if tried and too_big and incompatible + too_big == len(tried):
+                error = self._too_large("decode", self.decode, too_small, tried, last_reason)
+                if error is not None:
+                    raise error
+            if tried and incompatible == len(tried):
+                raise FlowError(
+                    502,
+                    f"no decode worker can take this prefill worker's KV ({last_reason})",
+                    code="incompatible_workers",
+                )
+            if not tried:  # no decode worker at all (the pool at zero, or all restarting)
+                waited = await self._wait_for_workers(self.decode, "decode", empty_until)
+                empty_until = waited
+                continue
+            remaining = self._admission_left(deadline, last_reason)
+            if not background and not self._counted_waiting:
+                # Refused everywhere: background requests wait behind this one from now.
+                self.decode.interactive_waiting += 1
+                self._counted_waiting = True
+            # Full everywhere: wait for the next Load poll (blocks free up as requests end).
+            await self.decode.wait_for_change(min(remaining, 1.0))
 
     def _admission_left(self, deadline: float, why: str) -> float:
         """Seconds left to find a decode worker; a 503 saying why once there are none."""

@@ -1155,34 +1155,42 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def text_offsets(entries: list[TokenLogprob], before: bytes = b"") -> list[int]:
-    """Where each token starts in the text: the characters the text shows before it, `before`
-    being the text's bytes ahead of these tokens. Bytes no character can be made of count as
-    the one U+FFFD the text shows for them; a character still incomplete before a token counts
-    only if the token does not go on with it (a token holding part of a character, shown as
-    `bytes:\\xNN`, starts where its character does)."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    chars = len(decoder.decode(before))
-    offsets: list[int] = []
-    for e in entries:
-        raw = e.text_bytes
-        pending = decoder.getstate()[0]
-        at = chars
-        if pending and raw:
-            try:
-                codecs.utf_8_decode(pending + raw[:1], "strict", False)
-            except UnicodeDecodeError:
-                at += 1  # the character ends unfinished: the text shows one U+FFFD for it
-        offsets.append(at)
-        chars += len(decoder.decode(raw))
-    return offsets
+class TextCursor:
+    """Where the next token starts in a choice's text, carried from chunk to chunk (so a
+    streamed answer never decodes what it already sent again). Bytes no character can be made
+    of count as the one U+FFFD the text shows for them; a character still incomplete before a
+    token counts only if the token does not go on with it (a token holding part of a
+    character, shown as `bytes:\\xNN`, starts where its character does)."""
+
+    def __init__(self, before: bytes = b"") -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = len(self._decoder.decode(before))
+
+    def offsets(self, entries: list[TokenLogprob]) -> list[int]:
+        """Each entry's offset, advancing past them."""
+        offsets: list[int] = []
+        for e in entries:
+            raw = e.text_bytes
+            pending = self._decoder.getstate()[0]
+            at = self._chars
+            if pending and raw:
+                try:
+                    codecs.utf_8_decode(pending + raw[:1], "strict", False)
+                except UnicodeDecodeError:
+                    at += 1  # the character ends unfinished: the text shows one U+FFFD for it
+            offsets.append(at)
+            self._chars += len(self._decoder.decode(raw))
+        return offsets
 
 
-def completion_logprobs(entries: list[TokenLogprob], before: bytes = b"") -> dict[str, Any]:
-    """choices[].logprobs of the legacy completions API for these tokens; `before`: the text
-    bytes of the completion's tokens before them (TokenLogprob.text_bytes). text_offset: see
-    text_offsets."""
-    offsets = text_offsets(entries, before)
+def completion_logprobs(
+    entries: list[TokenLogprob], before: bytes | TextCursor = b""
+) -> dict[str, Any]:
+    """choices[].logprobs of the legacy completions API for these tokens; `before`: the
+    choice's TextCursor, or the text bytes of its tokens before them (TokenLogprob.text_bytes),
+    for text_offset."""
+    cursor = before if isinstance(before, TextCursor) else TextCursor(before)
+    offsets = cursor.offsets(entries)
     tops: list[dict[str, float] | None] = []
     for e in entries:
         if e.logprob is None:  # the prompt's first token (echo): null, as OpenAI's
