@@ -39,6 +39,11 @@ SERVICE = "splitserve.v1.DecodeService"
 # Chunks up to this size are imported on the event loop; larger ones on the import thread.
 INLINE_IMPORT_BYTES = 2 << 20
 MAX_PENDING_IMPORTS = 2
+# After an interactive Reserve is refused for lack of blocks, background ones are refused for
+# this long (each such refusal extends it): the blocks that free up go to the interactive
+# request, whichever router it waits in. Routers retry a refused reservation at least once a
+# second, so a waiting interactive request keeps the window open.
+INTERACTIVE_HOLD_S = 1.5
 
 
 class DecodeRole:
@@ -50,6 +55,8 @@ class DecodeRole:
         # Reserve calls still in the engine: request id -> aborted meanwhile (Abort came first).
         self._reserving: dict[str, bool] = {}
         self._active = 0
+        # Until then background reservations stand back (see INTERACTIVE_HOLD_S).
+        self._interactive_waits_until = 0.0
         # import_kv copies into the cache; one thread keeps the event loop free of it.
         self._imports = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-import")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
@@ -166,6 +173,12 @@ class DecodeRole:
             self.reservations.take(old)  # a retry after a failed transfer starts afresh
         if rid in self.reservations or rid in self._reserving:
             return refuse(f"duplicate request_id {rid!r}", "duplicate")
+        background = request.priority == pb.PRIORITY_BACKGROUND
+        if background and time.monotonic() < self._interactive_waits_until:
+            return refuse(
+                "behind_interactive: an interactive request waits for this worker's blocks",
+                "behind_interactive",
+            )
         self._reserving[rid] = False
         prompt = list(request.prompt_token_ids) if given else None
         call = asyncio.get_running_loop().run_in_executor(None, self.engine.reserve, rid, n, prompt)
@@ -187,6 +200,10 @@ class DecodeRole:
                 self._release(rid)
             return refuse("aborted by the router", "aborted")
         if not ok:
+            bm = self.engine.block_manager
+            if not background and bm.blocks_for(n + 1) <= bm.num_blocks:
+                # It fits once enough blocks free up: keep them from background requests.
+                self._interactive_waits_until = time.monotonic() + INTERACTIVE_HOLD_S
             return refuse("no_free_blocks", "no_free_blocks")
         spec = self.w.spec
         cached = self.engine.reserved_cached_tokens(rid)

@@ -425,7 +425,8 @@ class Flow:
         while True:
             if background and self.decode.interactive_waiting > 0:
                 # An interactive request waits for blocks: those that free up go to it
-                # first (a decode worker's Reserve does not rank callers).
+                # first. (The decode workers that refused it refuse background Reserves too,
+                # for every router; not asking saves the calls.)
                 why = "a background request, behind interactive ones waiting for blocks"
                 remaining = self._admission_left(deadline, why)
                 await self.decode.wait_for_change(min(remaining, 1.0))
