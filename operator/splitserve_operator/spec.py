@@ -65,8 +65,8 @@ class SpecError(ValueError):
     """An LLMService spec value is invalid; the message names the field."""
 
 
-def parse_duration(text: str, field_name: str) -> float:
-    """Go-style duration ("500ms", "1m30s") -> seconds."""
+def parse_duration(text: str, field_name: str, allow_zero: bool = False) -> float:
+    """Go-style duration ("500ms", "1m30s") -> seconds; zero only where `allow_zero`."""
     value = str(text).strip()
     pos, total = 0, 0.0
     for match in _DURATION_PART.finditer(value):
@@ -76,7 +76,7 @@ def parse_duration(text: str, field_name: str) -> float:
         pos = match.end()
     if not value or pos != len(value):
         raise SpecError(f"{field_name}: {text!r} is not a duration like 500ms, 1.5s or 1m")
-    if total <= 0:
+    if total < 0 or (total == 0 and not allow_zero):
         raise SpecError(f"{field_name}: {text!r} must be positive")
     return total
 
@@ -100,6 +100,24 @@ def autoscaling_interval(autoscaling: dict[str, Any]) -> float:
     seconds = parse_duration(text, "spec.autoscaling.interval")
     if not MIN_AUTOSCALING_INTERVAL_SECONDS <= seconds <= MAX_AUTOSCALING_INTERVAL_SECONDS:
         raise SpecError(f"spec.autoscaling.interval: {text!r} must be between 1s and 1h")
+    return seconds
+
+
+# spec.router.admissionTimeout and writeTimeout (writeTimeout 0s: never cut a client).
+MIN_ROUTER_TIMEOUT_SECONDS = 1.0
+MAX_ROUTER_TIMEOUT_SECONDS = 3600.0
+
+
+def router_timeout(data: dict[str, Any], key: str, default: str, off_allowed: bool) -> float:
+    """spec.router.<key> in seconds, between 1s and 1h (or 0 where `off_allowed`)."""
+    name = f"spec.router.{key}"
+    text = data.get(key, default)
+    seconds = parse_duration(text, name, allow_zero=off_allowed)
+    if seconds == 0:
+        return 0.0
+    if not MIN_ROUTER_TIMEOUT_SECONDS <= seconds <= MAX_ROUTER_TIMEOUT_SECONDS:
+        off = " (or 0s: never)" if off_allowed else ""
+        raise SpecError(f"{name}: {text!r} must be between 1s and 1h{off}")
     return seconds
 
 
@@ -250,6 +268,12 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
                 f"{path}.reasoningParser: {thinking!r} is not one of {', '.join(REASONING_PARSERS)}"
             )
         settings["reasoningParser"] = thinking
+        settings["admissionTimeoutSeconds"] = router_timeout(
+            data, "admissionTimeout", "30s", off_allowed=False
+        )
+        settings["writeTimeoutSeconds"] = router_timeout(
+            data, "writeTimeout", "60s", off_allowed=True
+        )
         secret = data.get("apiKeySecret")
         if secret is not None:
             if not isinstance(secret, dict) or not secret.get("name"):

@@ -53,6 +53,8 @@ def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str
             log_requests=spec.router.settings["logRequests"],
             tool_call_parser=spec.router.settings["toolCallParser"],
             reasoning_parser=spec.router.settings["reasoningParser"],
+            admission_timeout_seconds=spec.router.settings["admissionTimeoutSeconds"],
+            write_timeout_seconds=spec.router.settings["writeTimeoutSeconds"],
         ),
         slo=SLOSettings(
             ttft_seconds=spec.ttft_seconds,

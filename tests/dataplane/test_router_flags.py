@@ -20,6 +20,7 @@ from splitserve_workers.cli import main
         (["--admission-timeout", "-1"], "admission_timeout"),
         (["--empty-pool-wait", "-1"], "empty_pool_wait"),
         (["--drain-timeout", "-1"], "drain_timeout"),
+        (["--write-timeout", "-1"], "write_timeout"),
     ],
 )
 def test_out_of_range_flag_exits_2_naming_the_field(
@@ -43,6 +44,9 @@ def test_missing_model_and_bad_endpoint_and_config_exit_2(
     config.write_text("router:\n  max_request_bytes: 0\n")
     assert main(["router", "--model", str(tmp_path), "--config", str(config)]) == 2
     assert "router.max_request_bytes: 0" in capsys.readouterr().err
+    config.write_text("router:\n  write_timeout_seconds: -1\n")
+    assert main(["router", "--model", str(tmp_path), "--config", str(config)]) == 2
+    assert "router.write_timeout_seconds: -1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -77,3 +81,27 @@ def test_workers_file_and_endpoint_flags_are_exclusive(
     args = ["router", "--model", str(tmp_path), "--workers-file", str(path), "--decode", "b:1"]
     assert main(args) == 2
     assert "workers_file: use --workers-file or --decode, not both" in capsys.readouterr().err
+
+
+def test_timeouts_come_from_the_config_unless_a_flag_is_given(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    # The operator writes them into the router's config (spec.router.admissionTimeout and
+    # writeTimeout); a flag, 0 included, still wins.
+    import argparse
+
+    from splitserve_workers.router.app import add_arguments, options_from_args
+
+    config = tmp_path / "serving.yaml"
+    config.write_text("router:\n  admission_timeout_seconds: 7.5\n  write_timeout_seconds: 0\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--model", str(tiny_model), "--prefill", "p:1", "--decode", "d:1"]
+    options, _ = options_from_args(parser.parse_args([*base, "--config", str(config)]))
+    assert options.flow.admission_timeout_seconds == 7.5
+    assert options.write_timeout == 0
+    flags = ["--admission-timeout", "0", "--write-timeout", "3"]
+    options, _ = options_from_args(parser.parse_args([*base, "--config", str(config), *flags]))
+    assert (options.flow.admission_timeout_seconds, options.write_timeout) == (0, 3)
+    options, _ = options_from_args(parser.parse_args(base))
+    assert (options.flow.admission_timeout_seconds, options.write_timeout) == (30, 60)

@@ -646,6 +646,24 @@ def test_tool_call_and_reasoning_parsers_are_ones_the_router_knows(
 
 
 @pytest.mark.cluster
+def test_router_timeouts_are_durations_within_bounds(
+    control_plane: Any, cluster_release: Any, namespace: str
+) -> None:
+    ok = llmservice({"router": {"admissionTimeout": "1m", "writeTimeout": "0s"}})
+    assert dry_run(control_plane, namespace, ok).returncode == 0
+    for field, value, message in (
+        ("admissionTimeout", "0s", "must be between 1s and 1h"),
+        ("admissionTimeout", "2h", "must be between 1s and 1h"),
+        ("writeTimeout", "500ms", "must be 0s (never) or between 1s and 1h"),
+        ("writeTimeout", "soon", "should match"),
+    ):
+        proc = dry_run(control_plane, namespace, llmservice({"router": {field: value}}))
+        assert proc.returncode != 0, (field, value)
+        assert f"spec.router.{field}: " in proc.stderr, proc.stderr
+        assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.cluster
 def test_replica_bounds_are_reported_once_each(
     control_plane: Any, cluster_release: Any, namespace: str
 ) -> None:

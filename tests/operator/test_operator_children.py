@@ -187,6 +187,18 @@ def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
     spec["router"] = {"toolCallParser": "xml"}
     with pytest.raises(SpecError, match=r"^spec\.router\.toolCallParser: "):
         parse_spec(spec)
+    assert (config.router.admission_timeout_seconds, config.router.write_timeout_seconds) == (
+        30.0,
+        60.0,
+    )
+    spec["router"] = {"admissionTimeout": "2m", "writeTimeout": "0s"}
+    router = ServingConfig.from_yaml(config_map(build(spec))["data"]["config.yaml"]).router
+    assert (router.admission_timeout_seconds, router.write_timeout_seconds) == (120.0, 0.0)
+    # Stored before the schema's rules (which refuse these): the spec parser refuses them too.
+    for field, value in (("admissionTimeout", "0s"), ("writeTimeout", "2h"), ("writeTimeout", "x")):
+        spec["router"] = {field: value}
+        with pytest.raises(SpecError, match=rf"^spec\.router\.{field}: "):
+            parse_spec(spec)
     assert (config.slo.ttft_seconds, config.slo.tpot_seconds, config.slo.percentile) == (
         0.3,
         0.04,

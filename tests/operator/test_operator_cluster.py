@@ -851,6 +851,8 @@ def test_crd_defaults_and_printer_columns(
         "logRequests": False,
         "toolCallParser": "auto",
         "reasoningParser": "auto",
+        "admissionTimeout": "30s",
+        "writeTimeout": "60s",
         "topologySpread": {
             "enabled": True,
             "maxSkew": 1,

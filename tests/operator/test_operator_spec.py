@@ -37,6 +37,8 @@ def test_defaults_match_the_crd_schema() -> None:
         "logRequests": False,
         "toolCallParser": "auto",
         "reasoningParser": "auto",
+        "admissionTimeoutSeconds": 30.0,
+        "writeTimeoutSeconds": 60.0,
     }
     assert spec.prefill.settings == {"maxBatchTokens": 8192}
     assert spec.decode.settings == {"maxBatchSize": 128, "blockSize": 16, "speculativeTokens": 0}

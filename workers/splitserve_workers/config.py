@@ -70,6 +70,10 @@ class RouterSettings:
     reasoning_parser: str = "auto"
     # Reserve sends the prompt, so a decode worker skips the KV its prefix cache holds.
     decode_kv_reuse: bool = True
+    # How long a request may wait for free KV blocks on a decode worker before its 503.
+    admission_timeout_seconds: float = 30.0
+    # How long one write to a streaming client may wait before the client is cut (0: never).
+    write_timeout_seconds: float = 60.0
 
 
 @dataclass
@@ -104,6 +108,10 @@ class ServingConfig:
         for size in ("prefill.kv_cache_memory_bytes", "decode.kv_cache_memory_bytes"):
             checks.append((size, self._get(size), 1))
         checks.append(("router.max_request_bytes", self.router.max_request_bytes, 1))
+        checks.append(
+            ("router.admission_timeout_seconds", self.router.admission_timeout_seconds, 0)
+        )
+        checks.append(("router.write_timeout_seconds", self.router.write_timeout_seconds, 0))
         if self.model.max_model_len is not None:
             checks.append(("model.max_model_len", self.model.max_model_len, 1))
         checks.append(("decode.speculative_tokens", self.decode.speculative_tokens, 0))

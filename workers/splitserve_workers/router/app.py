@@ -1309,8 +1309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admission-timeout",
         type=float,
-        default=30.0,
-        help="seconds a request may wait for free KV blocks on a decode worker",
+        help="seconds a request may wait for free KV blocks on a decode worker (default: "
+        "config router.admission_timeout_seconds, 30)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -1321,9 +1321,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--write-timeout",
         type=float,
-        default=60.0,
         help="seconds one write to a streaming client may wait (its buffers full) before it "
-        "is cut and its request aborted (counted as status stalled; default 60, 0: never)",
+        "is cut and its request aborted (counted as status stalled; default: config "
+        "router.write_timeout_seconds, 60; 0: never)",
     )
     parser.add_argument(
         "--ready-without-workers",
@@ -1390,6 +1390,11 @@ def check_flags(args: argparse.Namespace) -> None:
     for name, value, minimum in minimums:
         if value is not None and value < minimum:
             raise ConfigError(f"{name}: {value} is below the minimum {minimum}")
+
+
+def _flag_or(flag: float | None, configured: float) -> float:
+    """A flag given on the command line (0 included) wins over the config file."""
+    return configured if flag is None else flag
 
 
 def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
@@ -1460,12 +1465,14 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         max_request_bytes=args.max_request_bytes or rs.max_request_bytes,
         poll_interval=args.poll_interval,
         flow=FlowSettings(
-            admission_timeout_seconds=args.admission_timeout,
+            admission_timeout_seconds=_flag_or(
+                args.admission_timeout, rs.admission_timeout_seconds
+            ),
             empty_pool_wait_seconds=args.empty_pool_wait,
             decode_kv_reuse=rs.decode_kv_reuse and not args.no_decode_kv_reuse,
         ),
         drain_timeout=args.drain_timeout,
-        write_timeout=args.write_timeout,
+        write_timeout=_flag_or(args.write_timeout, rs.write_timeout_seconds),
         ready_without_workers=args.ready_without_workers,
         debug_endpoints=args.debug_endpoints,
         log_requests=bool(args.log_requests or rs.log_requests),
