@@ -26,7 +26,7 @@ from .names import (
 from .podtemplate import pod_template
 from .spec import POOLS, Spec
 from .status import pod_ended
-from .workerconfig import config_hash, serving_config
+from .workerconfig import component_config, config_hash, serving_config
 
 
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
@@ -318,13 +318,18 @@ def desired_children(
 ) -> list[dict[str, Any]]:
     """Every child object of one LLMService, in apply order (ConfigMap before the pods)."""
     owner = owner_reference(service, uid)
-    text = serving_config(spec, service, namespace, config.cluster_domain).to_yaml()
-    digest = config_hash(text)
+    serving = serving_config(spec, service, namespace, config.cluster_domain)
+    # One ConfigMap per distinct text: the prefill and decode pools read the same sections.
+    texts = {c: component_config(serving, c) for c in POOLS}
+    digests = {c: config_hash(text) for c, text in texts.items()}
     image = spec.image or config.worker_image
-    objects: list[dict[str, Any]] = [config_map(service, namespace, text, digest, owner)]
+    objects: list[dict[str, Any]] = [
+        config_map(service, namespace, text, digest, owner)
+        for digest, text in {digests[c]: texts[c] for c in POOLS}.items()
+    ]
     objects.append(router_service(service, namespace, spec, owner))
     objects += [pool_service(c, service, namespace, owner) for c in ("prefill", "decode")]
-    objects += [deployment(c, service, namespace, spec, image, digest, owner) for c in POOLS]
+    objects += [deployment(c, service, namespace, spec, image, digests[c], owner) for c in POOLS]
     objects += [disruption_budget(c, service, namespace, owner) for c in POOLS]
     if config.network_policies == "on":
         objects.append(network_policy(service, namespace, owner))

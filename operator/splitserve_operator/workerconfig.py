@@ -1,11 +1,13 @@
 """Renders an LLMService spec into the workers' ServingConfig (the operator <-> worker contract in
-splitserve_workers.config) and hashes it: the hash goes on the pod templates so a config change
-rolls the pools."""
+splitserve_workers.config), cut per component to the sections it reads, and hashes each: the
+hash goes on the pod templates so a config change rolls the pools that read it, and only those
+(a new SLO or router setting leaves the GPU pools running)."""
 
 from __future__ import annotations
 
 import hashlib
 
+import yaml
 from splitserve_workers.config import (
     DecodeSettings,
     ModelSettings,
@@ -64,6 +66,22 @@ def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str
     )
     config.validate()
     return config
+
+
+# What each component reads of the ServingConfig (worker_runtime and router.app's
+# options_from_args); a section left out takes its defaults there. The SLO is the operator's
+# own: no pod reads it.
+CONFIG_SECTIONS = {
+    "router": ("service", "model", "router"),
+    "prefill": ("service", "model", "prefill", "decode"),
+    "decode": ("service", "model", "prefill", "decode"),
+}
+
+
+def component_config(config: ServingConfig, component: str) -> str:
+    """The config.yaml of one component: the sections it reads (CONFIG_SECTIONS)."""
+    data = config.to_dict()
+    return yaml.safe_dump({k: data[k] for k in CONFIG_SECTIONS[component]}, sort_keys=True)
 
 
 def config_hash(text: str) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from splitserve_operator.children import (
     desired_children,
     superseded_configs,
@@ -16,6 +17,7 @@ from splitserve_operator.config import OperatorConfig
 from splitserve_operator.names import CONFIG_HASH_ANNOTATION
 from splitserve_operator.podtemplate import container_args
 from splitserve_operator.spec import SpecError, parse_spec
+from splitserve_operator.workerconfig import config_hash
 from splitserve_workers.config import CONFIG_PATH_IN_POD, ServingConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,20 +64,28 @@ def build(spec: dict[str, Any] = SPEC, served: bool = False, **config: Any) -> d
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 
-def config_map(objs: dict) -> dict[str, Any]:
-    """The one ConfigMap among built children (its name carries the config's hash)."""
-    (cm,) = [o for (kind, _), o in objs.items() if kind == "ConfigMap"]
-    return cm  # type: ignore[no-any-return]
+def config_map_name(objs: dict, component: str = "decode") -> str:
+    """The ConfigMap a component's pods mount (its name carries the config's hash)."""
+    pod = objs[("Deployment", f"chat-{component}")]["spec"]["template"]["spec"]
+    volume = {v["name"]: v for v in pod["volumes"]}["config"]
+    sources = volume["projected"]["sources"] if "projected" in volume else [volume]
+    return str(next(s["configMap"]["name"] for s in sources if "configMap" in s))
 
 
-def config_map_name(objs: dict) -> str:
-    return str(config_map(objs)["metadata"]["name"])
+def config_map(objs: dict, component: str = "decode") -> dict[str, Any]:
+    return objs[("ConfigMap", config_map_name(objs, component))]  # type: ignore[no-any-return]
+
+
+def serving(spec: dict[str, Any] = SPEC, component: str = "decode") -> ServingConfig:
+    """The ServingConfig a component's pods read."""
+    return ServingConfig.from_yaml(config_map(build(spec), component)["data"]["config.yaml"])
 
 
 def test_every_child_has_owner_reference_and_common_labels() -> None:
     objs = build(served=True)
     assert set(objs) == {
-        ("ConfigMap", config_map_name(objs)),
+        ("ConfigMap", config_map_name(objs, "router")),
+        ("ConfigMap", config_map_name(objs)),  # the prefill and decode pools': one
         ("Service", "chat-router"),
         ("Service", "chat-prefill"),
         ("Service", "chat-decode"),
@@ -160,50 +170,81 @@ def test_hpas_and_scaled_objects_are_ruled_out_outside_their_mode() -> None:
 
 
 def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
-    text = config_map(build())["data"]["config.yaml"]
-    config = ServingConfig.from_yaml(text)
+    config = serving()
     assert config.service == "chat"
     assert config.model.path == "/models/tiny-llama" and config.model.dtype == "float32"
     assert config.prefill.max_batch_tokens == 2048
     assert config.prefill.kv_cache_memory_bytes == 256 << 20
     assert config.decode.max_batch_size == 64
     assert config.decode.speculative_tokens == 4
-    assert config.router.discovery == "dns"
-    assert config.router.prefill_service == "chat-prefill.team-a.svc.cluster.local:50051"
-    assert config.router.decode_service == "chat-decode.team-a.svc.cluster.local:50052"
-    assert config.router.log_requests is False
+    assert serving(component="prefill") == config
+    router = serving(component="router")
+    assert (router.service, router.model) == (config.service, config.model)
+    assert router.router.discovery == "dns"
+    assert router.router.prefill_service == "chat-prefill.team-a.svc.cluster.local:50051"
+    assert router.router.decode_service == "chat-decode.team-a.svc.cluster.local:50052"
+    assert router.router.log_requests is False
     spec = copy.deepcopy(SPEC)
     spec["router"] = {"logRequests": True}
-    text = config_map(build(spec))["data"]["config.yaml"]
-    assert ServingConfig.from_yaml(text).router.log_requests is True
+    assert serving(spec, "router").router.log_requests is True
     spec["router"] = {"logRequests": "yes"}  # stored before the schema (which refuses it)
     with pytest.raises(SpecError, match=r"^spec\.router\.logRequests: "):
         parse_spec(spec)
-    assert config.router.tool_call_parser == "auto"
+    assert router.router.tool_call_parser == "auto"
     spec["router"] = {"toolCallParser": "hermes", "reasoningParser": "qwen3"}
-    text = config_map(build(spec))["data"]["config.yaml"]
-    router = ServingConfig.from_yaml(text).router
-    assert (router.tool_call_parser, router.reasoning_parser) == ("hermes", "qwen3")
+    settings = serving(spec, "router").router
+    assert (settings.tool_call_parser, settings.reasoning_parser) == ("hermes", "qwen3")
     spec["router"] = {"toolCallParser": "xml"}
     with pytest.raises(SpecError, match=r"^spec\.router\.toolCallParser: "):
         parse_spec(spec)
-    assert (config.router.admission_timeout_seconds, config.router.write_timeout_seconds) == (
+    assert (router.router.admission_timeout_seconds, router.router.write_timeout_seconds) == (
         30.0,
         60.0,
     )
     spec["router"] = {"admissionTimeout": "2m", "writeTimeout": "0s"}
-    router = ServingConfig.from_yaml(config_map(build(spec))["data"]["config.yaml"]).router
-    assert (router.admission_timeout_seconds, router.write_timeout_seconds) == (120.0, 0.0)
+    settings = serving(spec, "router").router
+    assert (settings.admission_timeout_seconds, settings.write_timeout_seconds) == (120.0, 0.0)
     # Stored before the schema's rules (which refuse these): the spec parser refuses them too.
     for field, value in (("admissionTimeout", "0s"), ("writeTimeout", "2h"), ("writeTimeout", "x")):
         spec["router"] = {field: value}
         with pytest.raises(SpecError, match=rf"^spec\.router\.{field}: "):
             parse_spec(spec)
-    assert (config.slo.ttft_seconds, config.slo.tpot_seconds, config.slo.percentile) == (
-        0.3,
-        0.04,
-        99.0,
+
+
+def test_each_component_reads_only_its_sections_so_other_changes_do_not_roll_it() -> None:
+    # The SLO is the operator's own (no pod reads it): a new objective rolls nothing. A router
+    # setting rolls the router alone; a worker setting the two GPU pools, not the router.
+    objs = build()
+    for component in ("router", "prefill", "decode"):
+        text = config_map(objs, component)["data"]["config.yaml"]
+        assert "slo" not in yaml.safe_load(text)
+    assert "router" not in yaml.safe_load(config_map(objs)["data"]["config.yaml"])
+    assert {"prefill", "decode"}.isdisjoint(
+        yaml.safe_load(config_map(objs, "router")["data"]["config.yaml"])
     )
+
+    def rolled(change: dict[str, Any]) -> set[str]:
+        spec = copy.deepcopy(SPEC)
+        for path, value in change.items():
+            *parents, key = path.split(".")
+            node = spec
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node[key] = value
+        after = build(spec)
+        return {
+            c
+            for c in ("router", "prefill", "decode")
+            if after[("Deployment", f"chat-{c}")]["spec"]["template"]
+            != objs[("Deployment", f"chat-{c}")]["spec"]["template"]
+        }
+
+    assert rolled({"slo.ttft": "1s", "slo.percentile": 90}) == set()
+    assert rolled({"router.logRequests": True}) == {"router"}
+    assert rolled({"router.writeTimeout": "5s"}) == {"router"}
+    assert rolled({"decode.maxBatchSize": 32}) == {"prefill", "decode"}
+    assert rolled({"prefill.maxBatchTokens": 4096}) == {"prefill", "decode"}
+    assert rolled({"model.maxModelLen": 64}) == {"router", "prefill", "decode"}
 
 
 def test_a_pool_that_may_scale_to_zero_keeps_the_router_ready() -> None:
@@ -316,7 +357,7 @@ def test_router_api_keys_come_from_the_secret_in_the_config_volume() -> None:
     pod = objs[("Deployment", "chat-router")]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["config"]["projected"]["sources"] == [
-        {"configMap": {"name": config_map_name(objs)}},
+        {"configMap": {"name": config_map_name(objs, "router")}},
         {"secret": {"name": "router-keys", "items": [{"key": "api-key", "path": "api-keys"}]}},
     ]
     args = pod["containers"][0]["args"]
@@ -382,7 +423,7 @@ def test_config_hash_rolls_pods_only_when_the_config_changes() -> None:
         }
 
     first = hashes(SPEC)
-    assert len(first) == 1
+    assert len(first) == 2  # the router's, and the two GPU pools' (the same sections)
     more_replicas = copy.deepcopy(SPEC)
     more_replicas["decode"]["replicas"] = 5
     assert hashes(more_replicas) == first
@@ -420,12 +461,13 @@ def test_spec_image_wins_over_operator_default() -> None:
 
 def test_each_config_version_is_its_own_immutable_config_map() -> None:
     objs = build()
-    cm = config_map(objs)
-    assert cm["immutable"] is True
     for pool in ("router", "prefill", "decode"):
+        cm = config_map(objs, pool)
+        assert cm["immutable"] is True
         template = objs[("Deployment", f"chat-{pool}")]["spec"]["template"]
         digest = template["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
         assert cm["metadata"]["name"] == f"chat-config-{digest}"
+        assert digest == config_hash(cm["data"]["config.yaml"])
     # The same spec names the same version; a config change names a new one; a change that
     # leaves the worker config alone (replicas) keeps it.
     assert config_map_name(build()) == config_map_name(objs)

@@ -108,7 +108,8 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
     names = sorted((c["kind"], c["metadata"]["name"]) for c in children["items"])
     assert names == sorted(
         [
-            ("ConfigMap", config_map_name(cp, namespace)),
+            ("ConfigMap", config_map_name(cp, namespace, pool="router")),
+            ("ConfigMap", config_map_name(cp, namespace)),  # the prefill and decode pools'
             ("NetworkPolicy", "tiny-workers"),
             ("PodMonitor", "tiny-workers"),
             *[("Deployment", f"tiny-{p}") for p in POOLS],
@@ -169,9 +170,12 @@ def test_updates_roll_out_and_delete_collects_children(
 
     # New worker config: a new immutable ConfigMap, and its hash rolls the pods onto it.
     # The old version stays while a pod or a ReplicaSet with pods mounts it, and goes after.
+    # The router reads none of it: its config and pods stay.
     before = template("decode")["metadata"]["annotations"]["splitserve.io/config-hash"]
     old_config = config_map_name(cp, namespace)
     assert old_config == f"tiny-config-{before}"
+    router_config = config_map_name(cp, namespace, pool="router")
+    assert router_config != old_config
     changed = tiny(image="splitserve/worker:v2")
     changed["spec"]["decode"]["maxBatchSize"] = 8
     apply(cp, namespace, changed)
@@ -182,8 +186,10 @@ def test_updates_roll_out_and_delete_collects_children(
     assert yaml.safe_load(config)["decode"]["max_batch_size"] == 8
     assert template("decode")["metadata"]["annotations"]["splitserve.io/config-hash"] != before
     assert len(replicasets("decode")) == 3
+    assert len(replicasets("router")) == 2  # the image's rollout only
+    assert config_map_name(cp, namespace, pool="router") == router_config
     wait_until(
-        lambda: config_maps(cp, namespace) == [new_config],
+        lambda: config_maps(cp, namespace) == sorted([router_config, new_config]),
         "the superseded config version deleted once no pod mounts it",
     )
     assert any(old_config in e["message"] for e in tiny_events(cp, namespace, "Deleted"))
@@ -191,7 +197,8 @@ def test_updates_roll_out_and_delete_collects_children(
         "items"
     ]:
         mounted = {v["name"]: v for v in pod["spec"]["volumes"]}["config"]["configMap"]["name"]
-        assert mounted == new_config
+        component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert mounted == (router_config if component == "router" else new_config)
 
     # More replicas (mode Off): the Deployment follows the spec.
     changed["spec"]["decode"]["replicas"] = 3
