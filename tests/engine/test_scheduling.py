@@ -148,6 +148,24 @@ def test_seeded_sampling_is_reproducible(
     assert alone != greedy  # temperature 1 over ~500 tokens does not follow the argmax
 
 
+def test_distinct_seeds_sample_differently(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # Seeds the router accepts (any int64) that are different seeds: s and s - 2**63 were one
+    # (the token seed was taken mod 2**63), and on a CPU generator, which keeps only the low 32
+    # bits of its seed, so were s and s + 2**32.
+    engine = make_engine()
+    p = prompt_ids(engine, 10)
+
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return engine.generate([p], params)[0]
+
+    for a, b in ((5, 5 + 2**32), (-1, 2**63 - 1), (0, -(2**63)), (7, 7 + 2**33)):
+        assert run(a) != run(b), (a, b)
+    assert run(2**63 - 1) == run(2**63 - 1)
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(
     make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
 ) -> None:

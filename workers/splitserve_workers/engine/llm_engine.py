@@ -842,7 +842,13 @@ _SEED_STRIDE = 1_000_003
 
 
 def _token_seed(seed: int, index: int) -> int:
-    return (seed * _SEED_STRIDE + index) % (1 << 63)
+    """A 64-bit generator seed for output token `index` of a request seeded with `seed` (any
+    int64). Over the whole 64 bits (`% (1 << 63)` made seeds s and s - 2**63 one seed), with
+    the high half folded into the low one: a CPU generator (mt19937) keeps only the low 32
+    bits of its seed, so seeds that differ by a multiple of 2**32 gave the same tokens there.
+    Values under 2**32 (seeds up to ~4294) are unchanged by the fold."""
+    x = (seed * _SEED_STRIDE + index) % (1 << 64)
+    return x ^ (x >> 32)
 
 
 def _guard(seq: Sequence, on_kv: OnKV) -> OnKV:
