@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from splitserve_workers.proto import serving_pb2 as pb
 
@@ -77,9 +78,11 @@ async def test_background_reservations_stand_back_for_a_refused_interactive_one(
     await abort(f"bg-retry-{attempt}")
     await abort("interactive-big")
 
-    # A request too big for the whole cache holds nothing back (it can never be served here).
-    huge = await reserve("interactive-huge", total + 1, INTERACTIVE)
-    assert not huge.accepted
+    # A request too big for the whole cache is refused outright (the router's 400) and holds
+    # nothing back: it can never be served here.
+    with pytest.raises(grpc.aio.AioRpcError) as huge:
+        await reserve("interactive-huge", total + 1, INTERACTIVE)
+    assert huge.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = await reserve("bg-after-huge", 1, BACKGROUND)
     assert after.accepted, after.reason
     await abort("bg-after-huge")

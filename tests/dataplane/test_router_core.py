@@ -693,6 +693,75 @@ class _FakeColocated:
         return pb.AbortResponse()
 
 
+class _Refusing:
+    """A worker whose Prefill or Complete call refuses the request as an engine does a prompt
+    over its limits (INVALID_ARGUMENT), or serves it (raises _Stop) when `serves`."""
+
+    def __init__(self, name: str, calls: list[str], serves: bool = False) -> None:
+        self.name, self.calls, self.serves = name, calls, serves
+
+    def _call(self, req: Any, **_: Any) -> Any:
+        self.calls.append(self.name)
+        if self.serves:
+            raise _Stop
+        return self
+
+    Prefill = Complete = _call
+
+    def __aiter__(self) -> _Refusing:
+        return self
+
+    async def __anext__(self) -> pb.TokenEvent:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details="prompt_token_ids: 20 tokens, more than max_model_len 16",
+        )
+
+    def cancel(self) -> bool:
+        return False
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        return pb.AbortResponse()
+
+
+@pytest.mark.parametrize("role", ["prefill", "colocated"])
+async def test_a_worker_refusing_the_prompt_is_the_clients_400_not_a_failed_worker(
+    role: str,
+) -> None:
+    # A worker's own limits (its --max-model-len below the router's, a cache smaller than the
+    # prompt before its first Load report) refuse the request with INVALID_ARGUMENT. Every
+    # worker refusing it: a 400 that quotes why, each asked once; never a 502 after asking the
+    # same worker again, and the worker stays in picking for everyone else.
+    calls: list[str] = []
+    pool = fake_pool(role, {"a:1": (64, 64), "b:1": (64, 32)})
+    for endpoint, worker in pool.workers.items():
+        worker.stub = _Refusing(endpoint, calls)
+    pools: dict[str, WorkerPool] = {role: pool}
+    if role == "prefill":
+        pools["decode"] = fake_pool("decode", {"d:1": (64, 64)})
+        pools["decode"].workers["d:1"].stub = _DecodeAt("d:1", [])
+    req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=4), 0)
+    flow = Flow(req, FlowSettings(empty_pool_wait_seconds=0.2), **pools)  # type: ignore[arg-type]
+    with pytest.raises(FlowError) as info:
+        async for _ in flow.tokens():
+            pass
+    e = info.value
+    assert (e.status, e.code) == (400, "request_too_large_for_workers"), e.message
+    assert "more than max_model_len 16" in e.message
+    assert sorted(calls) == ["a:1", "b:1"]
+    assert all(w.load.healthy for w in pool.workers.values()) and pool.ready()
+    # One that takes it gets it after the other refused.
+    calls.clear()
+    pool.workers["b:1"].stub = _Refusing("b:1", calls, serves=True)
+    flow = Flow(req, FlowSettings(empty_pool_wait_seconds=0.2), **pools)  # type: ignore[arg-type]
+    with pytest.raises(_Stop):
+        async for _ in flow.tokens():
+            pass
+    assert calls == ["a:1", "b:1"]
+
+
 def test_logprobs_requests_parse_as_openai_defines_them() -> None:
     # Legacy completions: logprobs N (0-5) = the sampled token's logprob plus the N most likely.
     req = api.parse_completion({"prompt": "x", "logprobs": 0})

@@ -126,6 +126,12 @@ async def test_reserve_refuses_when_full_and_incompatible(
     assert metric_value(held, "splitserve_kv_cache_usage_ratio") == (4 - ok.free_blocks) / 4
     full = await stub.Reserve(pb.ReserveRequest(request_id="b", model=spec, num_prompt_tokens=40))
     assert not full.accepted and full.reason == "no_free_blocks"
+    # 64 tokens and the first generated one need 5 blocks of 16: never free, so refused as
+    # invalid (the router's 400) rather than "no_free_blocks" (retried until its timeout).
+    with pytest.raises(grpc.aio.AioRpcError) as never:
+        await stub.Reserve(pb.ReserveRequest(request_id="e", model=spec, num_prompt_tokens=64))
+    assert never.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "need 5 KV blocks of 16; this worker has 4 in all" in never.value.details()
     wrong = pb.ModelSpec()
     wrong.CopyFrom(spec)
     wrong.num_kv_heads += 1

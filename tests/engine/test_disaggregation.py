@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from splitserve_workers.engine import LLMEngine, SamplingParams, TokenOutput
+from splitserve_workers.engine import LLMEngine, Priority, SamplingParams, TokenOutput
 
 
 class KVCollector:
@@ -274,3 +274,71 @@ def test_a_reservation_that_found_a_prefix_is_for_that_prompt_only(
     b.release("r")
     assert b.stats().free_blocks == b.num_kv_blocks
     assert b.reserve("plain", 10) and b.reserved_cached_tokens("plain") == 0  # no ids, no lookup
+
+
+def _reserve_whenever_free(
+    engine: LLMEngine,
+    prompt_ids: Callable[..., list[int]],
+    long_priority: Priority,
+    before_step: Callable[[], None] = lambda: None,
+    must_finish: bool = True,
+) -> int:
+    """A decode worker under steady load: a 150-token sequence ("long", which does not fit
+    beside the rest and gets preempted) and a 20-token interactive reservation started
+    whenever blocks are free, until "long" finishes (400 steps at most; `must_finish`: fail
+    then). Returns how many reservations started."""
+    mc = engine.model_config
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.add_request("long", prompt_ids(engine, 150), params, priority=long_priority)
+    started = 0
+    for _ in range(400):
+        before_step()
+        rid, prompt = f"short-{started}", prompt_ids(engine, 20, salt=started + 1)
+        if engine.reserve(rid, len(prompt)):
+            kv = torch.zeros(mc.num_layers, len(prompt), mc.num_kv_heads, mc.head_dim)
+            engine.import_kv(rid, 0, 0, kv, kv)
+            engine.start_decode(rid, prompt, 5, SamplingParams(max_tokens=25, ignore_eos=True))
+            started += 1
+        if any(o.request_id == "long" and o.finished for o in engine.step()):
+            break
+    else:
+        if must_finish:
+            pytest.fail(f"the preempted sequence never finished ({started} reservations started)")
+        engine.abort("long")
+    run(engine)
+    assert engine.stats().free_blocks == engine.num_kv_blocks
+    return started
+
+
+def test_a_preempted_sequence_is_not_starved_by_new_reservations(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # A sequence preempted on a decode worker (its KV dropped, to be recomputed) must still
+    # come back: the reservations used to take every block it waited for, and it never
+    # finished.
+    engine = make_engine(num_kv_blocks=12, max_batch_tokens=64)
+    _reserve_whenever_free(engine, prompt_ids, Priority.INTERACTIVE)
+    assert engine.scheduler.preemptions_total > 0
+
+
+def test_a_preempted_background_sequence_holds_back_only_background_reservations(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # The scheduler would preempt a background sequence for an interactive one anyway, so an
+    # interactive reservation does not wait for it; a background one does (no starvation).
+    engine = make_engine(num_kv_blocks=12, max_batch_tokens=64)
+    checked = 0
+
+    def check() -> None:
+        nonlocal checked
+        preempted = {s.priority for s in engine.scheduler.waiting if not s.block_table}
+        if preempted == {Priority.BACKGROUND} and engine.stats().free_blocks >= 1:
+            assert not engine.reserve(f"bg-{checked}", 1, priority=Priority.BACKGROUND)
+            assert engine.reserve(f"int-{checked}", 1, priority=Priority.INTERACTIVE)
+            engine.release(f"int-{checked}")
+            checked += 1
+
+    # Interactive reservations keep coming, so "long" may never finish: background work has
+    # no aging (docs/engine.md).
+    _reserve_whenever_free(engine, prompt_ids, Priority.BACKGROUND, check, must_finish=False)
+    assert checked > 0, "the background sequence was never preempted with blocks free"

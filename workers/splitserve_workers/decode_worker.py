@@ -152,6 +152,15 @@ class DecodeRole:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"num_prompt_tokens: {n} must be in [1, {max_len}] (max_model_len)",
             )
+        need, total = self.engine.block_manager.blocks_for(n + 1), self.engine.num_kv_blocks
+        if need > total:
+            # Never free, however long the caller waits: refused like a prompt over the limit
+            # (the router's 400), not "no_free_blocks" (which it retries until its timeout).
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_prompt_tokens: {n} tokens and the first generated one need {need} KV "
+                f"blocks of {self.engine.block_size}; this worker has {total} in all",
+            )
         given = len(request.prompt_token_ids)  # the list is built only once its size is right
         if given not in (0, n):
             await context.abort(
@@ -181,7 +190,9 @@ class DecodeRole:
             )
         self._reserving[rid] = False
         prompt = list(request.prompt_token_ids) if given else None
-        call = asyncio.get_running_loop().run_in_executor(None, self.engine.reserve, rid, n, prompt)
+        call = asyncio.get_running_loop().run_in_executor(
+            None, self.engine.reserve, rid, n, prompt, rt.priority_from_proto(request.priority)
+        )
         try:
             # Shielded: a cancelled RPC (client gone, deadline passed) does not stop the engine
             # call on its thread, and the blocks it takes must not outlive the caller.
@@ -200,9 +211,9 @@ class DecodeRole:
                 self._release(rid)
             return refuse("aborted by the router", "aborted")
         if not ok:
-            bm = self.engine.block_manager
-            if not background and bm.blocks_for(n + 1) <= bm.num_blocks:
-                # It fits once enough blocks free up: keep them from background requests.
+            if not background:
+                # It fits once enough blocks free up (a prompt the whole cache cannot hold was
+                # refused above): keep them from background requests.
                 self._interactive_waits_until = time.monotonic() + INTERACTIVE_HOLD_S
             return refuse("no_free_blocks", "no_free_blocks")
         spec = self.w.spec

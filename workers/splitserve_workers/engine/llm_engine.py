@@ -583,8 +583,11 @@ class LLMEngine:
         request_id: str,
         num_prompt_tokens: int,
         prompt_token_ids: SequenceT[int] | None = None,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> bool:
-        """Allocates blocks for the prompt + the first token now; False if they are not free.
+        """Allocates blocks for the prompt + the first token now; False if they are not free,
+        or while a preempted sequence of the same or a higher priority waits for blocks (it is
+        admitted first).
         Given the prompt's ids, its leading full blocks found in the prefix cache are shared
         instead (never the block of the last token): `reserved_cached_tokens` says how many
         tokens those hold, whose KV then needs no import."""
@@ -599,6 +602,13 @@ class LLMEngine:
         bm = self.block_manager
         with self._lock:
             self._check_new_id(request_id)
+            if any(not s.block_table and s.priority <= priority for s in self.scheduler.waiting):
+                # A preempted sequence waits for blocks to be recomputed in: it goes first. A
+                # reservation taking the blocks it waits for (no watermark, and between two
+                # steps) starved it for as long as new reservations kept coming. Not ahead of
+                # an interactive reservation, though: the scheduler would preempt a background
+                # sequence for an interactive one anyway.
+                return False
             cached = 0
             if prompt_token_ids is not None and bm.enable_prefix_caching:
                 got = bm.allocate_with_prefix(prompt_token_ids, num_prompt_tokens + 1)

@@ -45,6 +45,13 @@ def _grammar_refused(e: BaseException) -> FlowError | None:
     )
 
 
+def _refused(e: BaseException) -> bool:
+    """A worker refusing the request itself (INVALID_ARGUMENT: a prompt over its context limit
+    or its whole KV cache, say): asking it again gives the same answer, and it is no sign of a
+    broken worker."""
+    return isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 class FlowError(Exception):
     """The request cannot be served; `status` is the HTTP status the edge answers with."""
 
@@ -560,6 +567,10 @@ class Flow:
         generate_call: Any = None
         worker_rid = req.request_id
         failed_prefill: set[str] = set()
+        # Prefill workers that refused this request (INVALID_ARGUMENT: a prompt longer than
+        # their context limit or their whole KV cache): asking again cannot change the answer.
+        # endpoint -> (why, field to lower)
+        refused_prefill: dict[str, tuple[str, str | None]] = {}
         key = self.prefill.prompt_key(req.prompt_token_ids)
         # Decode's cache_aware picks by what its workers hold, hashed in their block size.
         decode_key = self.decode.prompt_key(req.prompt_token_ids, known=key)
@@ -575,10 +586,18 @@ class Flow:
                 worker_rid = req.request_id if attempt == 0 else f"{req.request_id}.r{attempt}"
                 # Recorded in the prefix index only when sent (below): the reservation may
                 # fail, or another worker take this one's place.
-                prefill, cached = self.prefill.pick_cached(failed_prefill, key)
+                prefill, cached = self.prefill.pick_cached(
+                    failed_prefill | refused_prefill.keys(), key
+                )
                 if prefill is None and failed_prefill:
-                    # Every worker failed once: try again anyway.
-                    prefill, cached = self.prefill.pick_cached(prompt=key)
+                    # Every worker failed once: try again anyway (not one that refused it).
+                    prefill, cached = self.prefill.pick_cached(set(refused_prefill), key)
+                if prefill is None and refused_prefill:
+                    error = self._too_large(
+                        "prefill", self.prefill, refused_prefill, set(refused_prefill), last_error
+                    )
+                    if error is not None:
+                        raise error
                 if prefill is None:
                     # None now (a pool at zero waking up, or every worker restarting): wait.
                     wait_until = await self._wait_for_workers(
@@ -602,7 +621,9 @@ class Flow:
                     # worker picked before it may have died or started draining meanwhile.
                     # Another with the same ModelSpec (the one the reservation was checked
                     # against) takes its place instead of wasting an attempt.
-                    other, cached = self.prefill.pick_cached(failed_prefill, key)
+                    other, cached = self.prefill.pick_cached(
+                        failed_prefill | refused_prefill.keys(), key
+                    )
                     if other is not None and other.model == prefill.model:
                         _unclaim(prefill.load, claimed, claimed_at)
                         prefill = other
@@ -684,6 +705,8 @@ class Flow:
                         assert decode is not None
                         if lost:
                             self.decode.mark_failed(decode.load.endpoint, _rpc_reason(e))
+                    elif _refused(e):
+                        refused_prefill[prefill.load.endpoint] = (last_error, None)
                     else:
                         failed_prefill.add(prefill.load.endpoint)
                         if lost:
@@ -818,6 +841,12 @@ class Flow:
                         done = True
                         raise refused from e
                     last_error = f"{worker.load.endpoint}: {_rpc_reason(e)}"
+                    if not got_token and _refused(e):
+                        # This request is what it refuses (longer than its context limit or
+                        # its whole cache), not a broken worker: others may take it.
+                        too_small[worker.load.endpoint] = (last_error, None)
+                        done = True
+                        continue
                     self.colocated.mark_failed(worker.load.endpoint, _rpc_reason(e))
                     if got_token:
                         raise FlowError(
