@@ -1,6 +1,7 @@
 """The desired child objects of one LLMService: the worker ConfigMap, a Deployment per pool,
 Services (router ClusterIP, headless pools for DNS discovery), PodDisruptionBudgets and, when
-the cluster serves monitoring.coreos.com, a ServiceMonitor and a PodMonitor; and the children a
+the cluster serves monitoring.coreos.com, a ServiceMonitor, a PodMonitor and a PrometheusRule
+alerting on the SLO; and the children a
 changed spec rules out. Pure: dicts in, dicts out; reconcile.py sends them to the API server,
 handlers.py deletes the ruled-out ones."""
 
@@ -244,6 +245,93 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
     ]
 
 
+PROMETHEUS_RULE = ("monitoring.coreos.com/v1", "PrometheusRule")
+# The alerts' rate window: a quantile over fewer minutes swings with a handful of requests.
+ALERT_WINDOW = "5m"
+# SplitserveRequestErrors fires above this share of requests ending in a server error.
+ERROR_RATIO = 0.05
+
+
+def _objective(seconds: float) -> str:
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[str, Any]:
+    """A PrometheusRule whose alerts say the SLO is missed, on the router's edge metrics (what
+    clients felt): TTFT and TPOT at the SLO's percentile above their objectives, and server
+    errors, each for spec.monitoring.alerts.for."""
+    router = f'namespace="{namespace}",service="{service}",pool="router"'
+    q = f"{spec.percentile / 100:g}"
+    pct = f"p{spec.percentile:g}"
+    who = f"LLMService {namespace}/{service}"
+    labels = {"severity": "warning", "llmservice": service}
+
+    def latency(alert: str, metric: str, what: str, objective: float) -> dict[str, Any]:
+        rate = f"rate(splitserve_{metric}_bucket{{{router}}}[{ALERT_WINDOW}])"
+        return {
+            "alert": alert,
+            "expr": f"histogram_quantile({q}, sum by (le) ({rate})) > {objective:g}",
+            "for": spec.alerts_for,
+            "labels": labels,
+            "annotations": {
+                "summary": f"{who}: {pct} {what} above its {_objective(objective)} objective",
+                "description": (
+                    f"{pct} {what} at the router over the last {ALERT_WINDOW} is "
+                    "{{ $value | humanizeDuration }}, above the objective of "
+                    f"{_objective(objective)} for {spec.alerts_for}. The LLMService's "
+                    "status.<pool>.lastDecision says what the autoscaler made of it."
+                ),
+            },
+        }
+
+    requests = f"sum(rate(splitserve_requests_total{{{router}}}[{ALERT_WINDOW}]))"
+    errors = f'sum(rate(splitserve_requests_total{{{router},status="error"}}[{ALERT_WINDOW}]))'
+    return {
+        "apiVersion": PROMETHEUS_RULE[0],
+        "kind": PROMETHEUS_RULE[1],
+        "metadata": _meta(
+            child_name(service, "slo"), namespace, common_labels(service, "slo"), owner
+        ),
+        "spec": {
+            "groups": [
+                {
+                    "name": f"splitserve.{namespace}.{service}",
+                    "rules": [
+                        latency(
+                            "SplitserveTTFTAboveObjective",
+                            "time_to_first_token_seconds",
+                            "time to first token",
+                            spec.ttft_seconds,
+                        ),
+                        latency(
+                            "SplitserveTPOTAboveObjective",
+                            "time_per_output_token_seconds",
+                            "time per output token",
+                            spec.tpot_seconds,
+                        ),
+                        {
+                            "alert": "SplitserveRequestErrors",
+                            "expr": f"{errors} / {requests} > {ERROR_RATIO:g}",
+                            "for": spec.alerts_for,
+                            "labels": labels,
+                            "annotations": {
+                                "summary": f"{who}: over {ERROR_RATIO:.0%} of requests fail",
+                                "description": (
+                                    "{{ $value | humanizePercentage }} of requests over the last "
+                                    f"{ALERT_WINDOW} ended in a server error (a worker failing "
+                                    "or unreachable: splitserve_requests_total"
+                                    "{status=\"error\"}); the router's log and the workers' "
+                                    "Events say which."
+                                ),
+                            },
+                        },
+                    ],
+                }
+            ]
+        },
+    }
+
+
 # Mode HPA's default metrics: per-pod series prometheus-adapter serves from what the workers
 # export (manifests/prometheus-adapter/values.yaml has the rules), at the targets the built-in
 # autoscaler sizes for. The HPA controller caps a scale-down window at one hour.
@@ -315,6 +403,7 @@ def desired_children(
     config: OperatorConfig,
     monitoring_available: bool,
     keda_available: bool = False,
+    rules_available: bool = False,
 ) -> list[dict[str, Any]]:
     """Every child object of one LLMService, in apply order (ConfigMap before the pods)."""
     owner = owner_reference(service, uid)
@@ -335,6 +424,8 @@ def desired_children(
         objects.append(network_policy(service, namespace, owner))
     if monitoring_available and spec.monitoring_enabled and config.monitoring != "off":
         objects += monitors(service, namespace, spec, owner)
+        if rules_available and spec.alerts_enabled:
+            objects.append(slo_alerts(service, namespace, spec, owner))
     if spec.autoscaling_mode == "HPA":
         objects += autoscalers(service, namespace, spec, owner)
     if spec.autoscaling_mode == "KEDA" and not keda_problem(spec, config, keda_available):
@@ -348,10 +439,11 @@ def unwanted_children(
 ) -> dict[str, list[tuple[str, str, str]]]:
     """The children this LLMService may have made under an earlier spec and that its spec now
     rules out, as (apiVersion, kind, name) by why they go: HPAs outside mode HPA and KEDA
-    ScaledObjects outside mode KEDA (they would keep resizing the pools), monitors once
-    spec.monitoring.enabled is false (they would keep being scraped). `--monitoring off` rules
-    out none: the operator then leaves monitors alone, neither making nor deleting them. The caller
-    deletes only those the LLMService owns."""
+    ScaledObjects outside mode KEDA (they would keep resizing the pools), monitors and the
+    PrometheusRule once spec.monitoring.enabled is false (they would keep being scraped and
+    evaluated), the PrometheusRule alone once spec.monitoring.alerts.enabled is false.
+    `--monitoring off` rules out none: the operator then leaves monitors alone, neither making
+    nor deleting them. The caller deletes only those the LLMService owns."""
     unwanted: dict[str, list[tuple[str, str, str]]] = {}
     mode = f"autoscaling.mode is {spec.autoscaling_mode}"
     if spec.autoscaling_mode != "HPA":
@@ -364,6 +456,11 @@ def unwanted_children(
         unwanted["monitoring.enabled is false"] = [
             (*SERVICE_MONITOR, child_name(service, "router")),
             (*POD_MONITOR, child_name(service, "workers")),
+            (*PROMETHEUS_RULE, child_name(service, "slo")),
+        ]
+    elif not spec.alerts_enabled and config.monitoring != "off":
+        unwanted["monitoring.alerts.enabled is false"] = [
+            (*PROMETHEUS_RULE, child_name(service, "slo"))
         ]
     return unwanted
 

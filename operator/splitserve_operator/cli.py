@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--monitoring",
         choices=["auto", "off"],
         default="auto",
-        help="auto: create ServiceMonitor/PodMonitor where monitoring.coreos.com is served "
-        "(and delete them when an LLMService disables monitoring); off: leave monitors alone",
+        help="auto: create ServiceMonitor/PodMonitor (and a PrometheusRule on the SLO) where "
+        "monitoring.coreos.com serves them (and delete them when an LLMService disables "
+        "monitoring); off: leave them alone",
     )
     parser.add_argument(
         "--network-policies",

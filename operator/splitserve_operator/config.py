@@ -16,8 +16,9 @@ class OperatorConfig:
     worker_image: str = "splitserve/worker:dev"
     resync_seconds: float = 30.0
     cluster_domain: str = "cluster.local"
-    # auto: create ServiceMonitor/PodMonitor when monitoring.coreos.com is served (and delete
-    # them when an LLMService sets monitoring.enabled false); off: neither create nor delete.
+    # auto: create ServiceMonitor/PodMonitor (and the SLO's PrometheusRule) when
+    # monitoring.coreos.com serves them (and delete them when an LLMService sets
+    # monitoring.enabled false); off: neither create nor delete.
     monitoring: str = "auto"
     # on: a NetworkPolicy per LLMService admits only its router (and, to decode, its prefill
     # pool) to the workers' unauthenticated gRPC ports; off: none is made or deleted.

@@ -33,6 +33,7 @@ from .status import compute_status, invalid_status, now_rfc3339, pod_trouble
 
 MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
 MONITORING_PLURALS = ("servicemonitors", "podmonitors")
+RULES_PLURAL = "prometheusrules"  # served apart: a cluster may have the monitors without it
 MONITORING_TTL_SECONDS = 60.0
 # Threads for autoscaler evaluations (each a few Prometheus queries and API calls).
 AUTOSCALER_THREADS = 4
@@ -52,7 +53,7 @@ class Operator:
     def __init__(self, kube: Kube, config: OperatorConfig) -> None:
         self.kube = kube
         self.config = config
-        self._served: dict[str, tuple[float, bool]] = {}
+        self._served: dict[tuple[str, tuple[str, ...]], tuple[float, bool]] = {}
         self._lock = threading.Lock()
         self._reconciling: dict[tuple[str, str], threading.RLock] = {}
         # Per LLMService uid and reason: the last Warning posted and when.
@@ -91,7 +92,7 @@ class Operator:
     def _serves(self, group_version: str, plurals: tuple[str, ...]) -> bool:
         """Whether the cluster serves these kinds (a discovery answer cached for a minute)."""
         with self._lock:
-            cached = self._served.get(group_version)
+            cached = self._served.get((group_version, plurals))
             if cached and time.monotonic() - cached[0] < MONITORING_TTL_SECONDS:
                 return cached[1]
         try:
@@ -101,13 +102,18 @@ class Operator:
             log.warning("cannot tell whether %s is served: %s", group_version, e)
             return bool(cached and cached[1])
         with self._lock:
-            self._served[group_version] = (time.monotonic(), found)
+            self._served[(group_version, plurals)] = (time.monotonic(), found)
         return found
 
     def monitoring_available(self) -> bool:
         if self.config.monitoring == "off":
             return False
         return self._serves(MONITORING_GROUP_VERSION, MONITORING_PLURALS)
+
+    def rules_available(self) -> bool:
+        if self.config.monitoring == "off":
+            return False
+        return self._serves(MONITORING_GROUP_VERSION, (RULES_PLURAL,))
 
     def keda_available(self) -> bool:
         return self._serves(SCALED_OBJECT[0], (SCALED_OBJECTS_PLURAL,))
@@ -143,8 +149,16 @@ class Operator:
         try:
             spec = parse_spec(dict(body.spec))
             keda = spec.autoscaling_mode == "KEDA" and self.keda_available()
+            monitoring = self.monitoring_available()
             objects = desired_children(
-                name, namespace, meta["uid"], spec, self.config, self.monitoring_available(), keda
+                name,
+                namespace,
+                meta["uid"],
+                spec,
+                self.config,
+                monitoring,
+                keda,
+                rules_available=monitoring and spec.alerts_enabled and self.rules_available(),
             )
         except (SpecError, ConfigError) as e:
             # ConfigError: the worker config built from the spec fails its own validation (a
@@ -195,14 +209,16 @@ class Operator:
             raise kopf.TemporaryError(str(e), delay=10) from e
         self._settled(body)
         # Missing at a resync or after a child's deletion, a child was deleted by someone
-        # (ConfigMaps and PDBs are not watched: the resync finds them). Monitors and
+        # (ConfigMaps and PDBs are not watched: the resync finds them). Monitors, rules and
         # ScaledObjects are the exception: they appear at a resync when the Prometheus
         # operator or KEDA was installed later.
         repaired = [
             c
             for c in outcome.created
             if why != "change"
-            and not c.startswith(("ServiceMonitor ", "PodMonitor ", "ScaledObject "))
+            and not c.startswith(
+                ("ServiceMonitor ", "PodMonitor ", "PrometheusRule ", "ScaledObject ")
+            )
         ]
         created = [c for c in outcome.created if c not in repaired]
         if repaired:

@@ -23,6 +23,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("splitserve.io/v1alpha1", "LLMService"): "llmservices",

@@ -14,7 +14,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from operator_process import MONITORING_CRDS, OperatorProcess, install_chart  # noqa: E402
+from operator_process import (  # noqa: E402
+    OperatorProcess,
+    install_chart,
+    install_monitoring_crds,
+)
 
 
 @dataclass
@@ -27,8 +31,9 @@ class Release:
 @pytest.fixture(scope="module")
 def cluster_release(control_plane: Any) -> Iterator[Release]:
     """The chart installed with watch.allNamespaces=true (ClusterRole, ClusterKopfPeering), and
-    the monitoring.coreos.com kinds served so ServiceMonitor/PodMonitor are created."""
-    control_plane.kubectl("apply", "-f", "-", input=MONITORING_CRDS)
+    the monitoring.coreos.com kinds served (the Prometheus operator's own CRDs) so
+    ServiceMonitor, PodMonitor and PrometheusRule are created."""
+    install_monitoring_crds(control_plane)
     namespace = control_plane.create_namespace(f"splitserve-system-{uuid.uuid4().hex[:6]}")
     sa = install_chart(control_plane, "ops", namespace, "watch.allNamespaces=true")
     try:

@@ -21,44 +21,36 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "charts" / "splitserve"
 T = TypeVar("T")
 
-# Just enough of the Prometheus operator's CRDs for the API server to serve the kinds.
-MONITORING_CRDS = "\n---\n".join(
-    f"""
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata: {{name: {plural}.monitoring.coreos.com}}
-spec:
-  group: monitoring.coreos.com
-  scope: Namespaced
-  names: {{kind: {kind}, plural: {plural}, singular: {plural[:-1]}, listKind: {kind}List}}
-  versions:
-    - name: v1
-      served: true
-      storage: true
-      schema:
-        openAPIV3Schema:
-          type: object
-          x-kubernetes-preserve-unknown-fields: true
-"""
-    for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors"))
-)
+
+def _testplane_script(name: str) -> str:
+    """Run hack/testplane/<name> (which fetches and caches); the path it prints last."""
+    out = subprocess.run(
+        ["bash", str(REPO_ROOT / "hack" / "testplane" / name)],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def install_monitoring_crds(cp: Any) -> None:
+    """The Prometheus operator's own ServiceMonitor, PodMonitor and PrometheusRule CRDs
+    (hack/testplane/monitoring-crds.sh takes them from its Go module, cached), so the
+    operator's monitors and alert rules are validated by their real schemas. No Prometheus
+    operator runs here: nothing turns them into scrape configs or rule files."""
+    directory = _testplane_script("monitoring-crds.sh")
+    kinds = ("servicemonitors", "podmonitors", "prometheusrules")
+    for kind in kinds:
+        cp.kubectl("apply", "--server-side", "-f", f"{directory}/{kind}.yaml")
+    crds = [f"crd/{kind}.monitoring.coreos.com" for kind in kinds]
+    cp.kubectl("wait", "--for=condition=Established", *crds, "--timeout=60s")
 
 
 def install_keda_crd(cp: Any) -> None:
     """KEDA's own ScaledObject CRD (hack/testplane/keda-crd.sh takes it from KEDA's Go module,
     cached), so ScaledObjects are validated by KEDA's schema. No KEDA operator runs here: it
     is not part of the test plane, so nothing reconciles them."""
-    path = (
-        subprocess.run(
-            ["bash", str(REPO_ROOT / "hack" / "testplane" / "keda-crd.sh")],
-            check=True,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    cp.kubectl("apply", "--server-side", "-f", path)
+    cp.kubectl("apply", "--server-side", "-f", _testplane_script("keda-crd.sh"))
     cp.kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=60s")
 
 

@@ -664,6 +664,20 @@ def test_router_timeouts_are_durations_within_bounds(
 
 
 @pytest.mark.cluster
+def test_alert_for_is_a_prometheus_duration(
+    control_plane: Any, cluster_release: Any, namespace: str
+) -> None:
+    ok = llmservice({"monitoring": {"alerts": {"enabled": True, "for": "1h30m"}}})
+    assert dry_run(control_plane, namespace, ok).returncode == 0
+    for value, message in (("1.5m", "should match"), ("0m", "must be a positive duration")):
+        proc = dry_run(
+            control_plane, namespace, llmservice({"monitoring": {"alerts": {"for": value}}})
+        )
+        assert proc.returncode != 0, value
+        assert "spec.monitoring.alerts.for: " in proc.stderr and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.cluster
 def test_replica_bounds_are_reported_once_each(
     control_plane: Any, cluster_release: Any, namespace: str
 ) -> None:

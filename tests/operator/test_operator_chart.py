@@ -143,7 +143,8 @@ def test_rbac_has_no_wildcards_and_covers_what_the_operator_writes(
     assert allowed("", "events") == {"create"}
     assert not allowed("events.k8s.io", "events")  # kopf posts core/v1 Events only
     # What the operator deletes: HPAs and ScaledObjects it made, when an LLMService leaves
-    # mode HPA or KEDA, its monitors, when an LLMService sets monitoring.enabled false, and
+    # mode HPA or KEDA, its monitors and alert rule, when an LLMService sets monitoring.enabled
+    # (or monitoring.alerts.enabled) false, and
     # superseded config versions no pod mounts (the garbage collector removes every other
     # child with its owner). Which versions a rollout still needs: its ReplicaSets, read only.
     assert allowed("apps", "replicasets") == {"list"}
@@ -155,6 +156,7 @@ def test_rbac_has_no_wildcards_and_covers_what_the_operator_writes(
         ("keda.sh", "scaledobjects"),
         ("monitoring.coreos.com", "servicemonitors"),
         ("monitoring.coreos.com", "podmonitors"),
+        ("monitoring.coreos.com", "prometheusrules"),
     }
     assert {"list", "watch", "delete"} <= allowed("autoscaling", "horizontalpodautoscalers")
 

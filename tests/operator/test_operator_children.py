@@ -59,7 +59,13 @@ SPEC: dict[str, Any] = {
 def build(spec: dict[str, Any] = SPEC, served: bool = False, **config: Any) -> dict:
     """served: whether the cluster serves monitoring.coreos.com."""
     objs = desired_children(
-        "chat", "team-a", "uid-1", parse_spec(spec), OperatorConfig(**config), served
+        "chat",
+        "team-a",
+        "uid-1",
+        parse_spec(spec),
+        OperatorConfig(**config),
+        served,
+        rules_available=served,
     )
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
@@ -97,6 +103,7 @@ def test_every_child_has_owner_reference_and_common_labels() -> None:
         ("PodDisruptionBudget", "chat-decode"),
         ("ServiceMonitor", "chat-router"),
         ("PodMonitor", "chat-workers"),
+        ("PrometheusRule", "chat-slo"),
         ("NetworkPolicy", "chat-workers"),
     }
     for obj in objs.values():
@@ -135,9 +142,12 @@ def test_disabled_monitoring_rules_out_the_monitors_unless_the_operator_leaves_t
     assert unwanted["monitoring.enabled is false"] == [
         ("monitoring.coreos.com/v1", "ServiceMonitor", "chat-router"),
         ("monitoring.coreos.com/v1", "PodMonitor", "chat-workers"),
+        ("monitoring.coreos.com/v1", "PrometheusRule", "chat-slo"),
     ]
-    # Exactly the monitors desired_children makes when monitoring is on.
-    made = [k for k in build(served=True) if k[0] in ("ServiceMonitor", "PodMonitor")]
+    # Exactly the monitors and rule desired_children makes when monitoring is on.
+    made = [
+        k for k in build(served=True) if k[0] in ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+    ]
     assert sorted(made) == sorted((k, n) for _, k, n in unwanted["monitoring.enabled is false"])
     # Enabled: nothing to delete. --monitoring off: the operator neither makes nor deletes them.
     assert "monitoring.enabled is false" not in unwanted_children(

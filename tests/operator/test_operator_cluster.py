@@ -102,7 +102,7 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
     uid = obj["metadata"]["uid"]
     kinds = (
         "deployments,services,configmaps,poddisruptionbudgets,servicemonitors,podmonitors,"
-        "networkpolicies"
+        "prometheusrules,networkpolicies"
     )
     children = get_json(cp, "-n", namespace, kinds, "-l", "app.kubernetes.io/instance=tiny")
     names = sorted((c["kind"], c["metadata"]["name"]) for c in children["items"])
@@ -112,6 +112,7 @@ def test_chart_rbac_reconciles_tiny_example_to_ready(
             ("ConfigMap", config_map_name(cp, namespace)),  # the prefill and decode pools'
             ("NetworkPolicy", "tiny-workers"),
             ("PodMonitor", "tiny-workers"),
+            ("PrometheusRule", "tiny-slo"),
             *[("Deployment", f"tiny-{p}") for p in POOLS],
             *[("PodDisruptionBudget", f"tiny-{p}") for p in POOLS],
             *[("Service", f"tiny-{p}") for p in POOLS],
@@ -512,10 +513,24 @@ def test_disabling_monitoring_deletes_only_the_monitors_it_owns(
     wait_ready(cp, namespace, "tiny")
 
     def monitors() -> list[tuple[str, str]]:
-        found = get_json(cp, "-n", namespace, "servicemonitors,podmonitors")["items"]
+        kinds = "servicemonitors,podmonitors,prometheusrules"
+        found = get_json(cp, "-n", namespace, kinds)["items"]
         return sorted((m["kind"], m["metadata"]["name"]) for m in found)
 
-    wait_until(lambda: len(monitors()) == 2, "the ServiceMonitor and PodMonitor")
+    # Accepted by the Prometheus operator's own CRD schemas (the test plane serves them).
+    wait_until(lambda: len(monitors()) == 3, "the ServiceMonitor, PodMonitor and PrometheusRule")
+    rule = get_json(cp, "-n", namespace, "prometheusrule", "tiny-slo")
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert any(f'namespace="{namespace}",service="tiny"' in e for e in exprs), exprs
+
+    # Alerts off: the rule goes, the monitors stay.
+    apply(cp, namespace, tiny(monitoring={"alerts": {"enabled": False}}))
+    wait_until(
+        lambda: monitors() == [("PodMonitor", "tiny-workers"), ("ServiceMonitor", "tiny-router")],
+        "the PrometheusRule deleted, the monitors kept",
+    )
+    apply(cp, namespace, TINY)
+    wait_until(lambda: len(monitors()) == 3, "the PrometheusRule back")
     # Someone else's ServiceMonitor for the same router, with the same labels: not the
     # operator's to delete.
     router_monitor = get_json(cp, "-n", namespace, "servicemonitor", "tiny-router")
@@ -534,9 +549,12 @@ def test_disabling_monitoring_deletes_only_the_monitors_it_owns(
     )
     deleted = "involvedObject.kind=LLMService,involvedObject.name=tiny,reason=Deleted"
     events = get_json(cp, "-n", namespace, "events", "--field-selector", deleted)["items"]
-    (message,) = [e["message"] for e in events]
+    (alerts_off,) = [e["message"] for e in events if "alerts.enabled is false" in e["message"]]
+    assert alerts_off.startswith(f"deleted PrometheusRule {namespace}/tiny-slo:"), alerts_off
+    (message,) = [e["message"] for e in events if e["message"] != alerts_off]
     assert f"ServiceMonitor {namespace}/tiny-router" in message
     assert f"PodMonitor {namespace}/tiny-workers" in message
+    assert f"PrometheusRule {namespace}/tiny-slo" in message
     assert "monitoring.enabled is false" in message
 
     # A namesake it did not make survives the next change too: ownership is checked, not names.
@@ -544,7 +562,7 @@ def test_disabling_monitoring_deletes_only_the_monitors_it_owns(
     obj = tiny(monitoring={"enabled": False, "interval": "30s"})
     apply(cp, namespace, obj)
     wait_until(
-        lambda: (o := llms(cp, namespace, "tiny")) and o["status"]["observedGeneration"] == 3,
+        lambda: (o := llms(cp, namespace, "tiny")) and o["status"]["observedGeneration"] == 5,
         "the change reconciled",
     )
     assert monitors() == [

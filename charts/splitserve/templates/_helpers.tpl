@@ -81,9 +81,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   resources: [networkpolicies]
   verbs: [get, create, patch]
 {{- end }}
-# delete: when an LLMService sets monitoring.enabled false (only the ones it owns).
+# delete: when an LLMService sets monitoring.enabled (or alerts.enabled) false (only the ones
+# it owns). prometheusrules: the alerts on each LLMService's SLO.
 - apiGroups: [monitoring.coreos.com]
-  resources: [servicemonitors, podmonitors]
+  resources: [servicemonitors, podmonitors, prometheusrules]
   verbs: [get, create, patch, delete]
 # autoscaling.mode HPA: the pools' HorizontalPodAutoscalers (delete: when the mode changes).
 - apiGroups: [autoscaling]
