@@ -248,8 +248,10 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
 PROMETHEUS_RULE = ("monitoring.coreos.com/v1", "PrometheusRule")
 # The alerts' rate window: a quantile over fewer minutes swings with a handful of requests.
 ALERT_WINDOW = "5m"
-# SplitserveRequestErrors fires above this share of requests ending in a server error.
+# SplitserveRequestErrors fires above this share of requests ending in a server error,
+# SplitserveNoCapacity above this share refused for want of capacity (503 no_capacity).
 ERROR_RATIO = 0.05
+NO_CAPACITY_RATIO = 0.01
 
 
 def _objective(seconds: float) -> str:
@@ -284,8 +286,24 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
             },
         }
 
-    requests = f"sum(rate(splitserve_requests_total{{{router}}}[{ALERT_WINDOW}]))"
-    errors = f'sum(rate(splitserve_requests_total{{{router},status="error"}}[{ALERT_WINDOW}]))'
+    def share(alert: str, status: str, ratio: float, what: str) -> dict[str, Any]:
+        some = f'sum(rate(splitserve_requests_total{{{router},status="{status}"}}[{ALERT_WINDOW}]))'
+        every = f"sum(rate(splitserve_requests_total{{{router}}}[{ALERT_WINDOW}]))"
+        return {
+            "alert": alert,
+            "expr": f"{some} / {every} > {ratio:g}",
+            "for": spec.alerts_for,
+            "labels": labels,
+            "annotations": {
+                "summary": f"{who}: over {ratio:.0%} of requests {what.split(':')[0]}",
+                "description": (
+                    "{{ $value | humanizePercentage }} of requests over the last "
+                    f"{ALERT_WINDOW} {what} (splitserve_requests_total"
+                    f'{{status="{status}"}}).'
+                ),
+            },
+        }
+
     return {
         "apiVersion": PROMETHEUS_RULE[0],
         "kind": PROMETHEUS_RULE[1],
@@ -309,22 +327,21 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
                             "time per output token",
                             spec.tpot_seconds,
                         ),
-                        {
-                            "alert": "SplitserveRequestErrors",
-                            "expr": f"{errors} / {requests} > {ERROR_RATIO:g}",
-                            "for": spec.alerts_for,
-                            "labels": labels,
-                            "annotations": {
-                                "summary": f"{who}: over {ERROR_RATIO:.0%} of requests fail",
-                                "description": (
-                                    "{{ $value | humanizePercentage }} of requests over the last "
-                                    f"{ALERT_WINDOW} ended in a server error (a worker failing "
-                                    "or unreachable: splitserve_requests_total"
-                                    "{status=\"error\"}); the router's log and the workers' "
-                                    "Events say which."
-                                ),
-                            },
-                        },
+                        share(
+                            "SplitserveRequestErrors",
+                            "error",
+                            ERROR_RATIO,
+                            "end in a server error: a worker failing or unreachable; the "
+                            "router's log and the workers' Events say which",
+                        ),
+                        share(
+                            "SplitserveNoCapacity",
+                            "no_capacity",
+                            NO_CAPACITY_RATIO,
+                            "are refused for want of capacity: no decode worker had free KV "
+                            "blocks within the admission timeout, or a pool had no worker; "
+                            "the pools' maxReplicas or the GPU budget may be too low",
+                        ),
                     ],
                 }
             ]

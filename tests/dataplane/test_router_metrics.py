@@ -71,7 +71,9 @@ def _value(router: Router, name: str, **labels: str) -> float:
     [
         # No worker can hold it: refused, nothing computed, no usage.
         (FlowError(400, "too large", code="request_too_large_for_workers"), 400, "rejected"),
-        (FlowError(503, "busy", code="no_capacity"), 503, "rejected"),
+        # Refused too, but for want of capacity (the operator's SLO alerts count these apart
+        # from the client's own mistakes).
+        (FlowError(503, "busy", code="no_capacity"), 503, "no_capacity"),
         (FlowError(502, "prefill failed"), 502, "error"),
         # A bug: the middleware answers 500; the request did not abort.
         (RuntimeError("a bug"), 500, "error"),
@@ -93,11 +95,11 @@ async def test_a_request_that_fails_counts_its_status_and_no_refused_tokens(
             )
             assert r.status == http_status, await r.text()
     assert _value(router, "splitserve_requests_total", status=status) == 2
-    for other in {"ok", "error", "abort", "rejected"} - {status}:
+    for other in {"ok", "error", "abort", "rejected", "no_capacity"} - {status}:
         assert _value(router, "splitserve_requests_total", status=other) == 0, other
     sent = 2 * len(router.tokenizer.encode("hello world", add_special_tokens=True))
     prompt_tokens = _value(router, "splitserve_prompt_tokens_total")
-    assert prompt_tokens == (0 if status == "rejected" else sent), prompt_tokens
+    assert prompt_tokens == (0 if status in ("rejected", "no_capacity") else sent), prompt_tokens
     assert _value(router, "splitserve_router_requests_in_flight") == 0
 
 

@@ -51,6 +51,7 @@ def test_the_rule_carries_the_slo_of_the_spec() -> None:
         "SplitserveTTFTAboveObjective",
         "SplitserveTPOTAboveObjective",
         "SplitserveRequestErrors",
+        "SplitserveNoCapacity",
     }
     ttft = found["SplitserveTTFTAboveObjective"]
     assert ttft["expr"].startswith("histogram_quantile(0.99, ")
@@ -123,10 +124,10 @@ def _histogram(name: str, per_minute: dict[str, int]) -> list[dict[str, str]]:
     ]
 
 
-def _requests(ok: int, error: int) -> list[dict[str, str]]:
+def _requests(**per_minute: int) -> list[dict[str, str]]:
     return [
-        _series("splitserve_requests_total", f'{ROUTER},status="ok"', f"0+{ok}x40"),
-        _series("splitserve_requests_total", f'{ROUTER},status="error"', f"0+{error}x40"),
+        _series("splitserve_requests_total", f'{ROUTER},status="{status}"', f"0+{n}x40")
+        for status, n in per_minute.items()
     ]
 
 
@@ -164,17 +165,18 @@ def test_the_alerts_fire_in_the_real_rule_engine_only_when_the_slo_is_missed(
     assert obj is not None
     names = list(alerts(obj))
     # Missed: every first token took 250-500 ms (p99 497.5 ms against 300 ms), every output
-    # token 40-80 ms (p99 79.6 ms against 40 ms), and 1 request in 10 failed.
+    # token 40-80 ms (p99 79.6 ms against 40 ms), 1 request in 10 failed and 1 in 20 was
+    # refused for want of capacity (client errors, "rejected", count for neither).
     slow = (
         _histogram("time_to_first_token_seconds", {"0.25": 0, "0.5": 10, "+Inf": 10})
         + _histogram("time_per_output_token_seconds", {"0.04": 0, "0.08": 10, "+Inf": 10})
-        + _requests(ok=9, error=1)
+        + _requests(ok=16, error=2, no_capacity=1, rejected=1)
     )
     # Met: the same traffic inside the objectives, no errors.
     fast = (
         _histogram("time_to_first_token_seconds", {"0.25": 10, "0.5": 10, "+Inf": 10})
         + _histogram("time_per_output_token_seconds", {"0.02": 10, "0.04": 10, "+Inf": 10})
-        + _requests(ok=10, error=0)
+        + _requests(ok=10, error=0, no_capacity=0, rejected=5)
     )
 
     def at(minutes: int, expected: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -187,6 +189,7 @@ def test_the_alerts_fire_in_the_real_rule_engine_only_when_the_slo_is_missed(
         "SplitserveTTFTAboveObjective": _expected(obj, "SplitserveTTFTAboveObjective", "497.5ms"),
         "SplitserveTPOTAboveObjective": _expected(obj, "SplitserveTPOTAboveObjective", "79.6ms"),
         "SplitserveRequestErrors": _expected(obj, "SplitserveRequestErrors", "10%"),
+        "SplitserveNoCapacity": _expected(obj, "SplitserveNoCapacity", "5%"),
     }
     _promtool_test(
         tmp_path,

@@ -75,7 +75,7 @@ class RouterMetrics:
     tpot: Histogram
     itl: Histogram
     e2e: Histogram
-    requests: Counter  # + label status: ok | error | abort | rejected
+    requests: Counter  # + label status: ok | error | abort | rejected | no_capacity | stalled
     prompt_tokens: Counter
     generation_tokens: Counter
     # The TTFT stage split (what no single engine exports).

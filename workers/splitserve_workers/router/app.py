@@ -161,6 +161,9 @@ def unsupported_coding(coding: str) -> api.APIError:
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
+# Request statuses refused before any work: their prompts count no tokens.
+REFUSED = ("rejected", "no_capacity")
+
 
 def _request_id(kind: str) -> str:
     """A generation request's id (the answer's `id`, `X-Request-Id`, the request log's)."""
@@ -619,7 +622,10 @@ class Router:
                 self.answers.discard(answer)
                 status = answer.status
         except FlowError as e:
-            status = "rejected" if e.status < 500 or e.code == "no_capacity" else "error"
+            if e.code == "no_capacity":
+                status = "no_capacity"  # refused for want of workers or KV blocks: ours to fix
+            else:
+                status = "rejected" if e.status < 500 else "error"
             error = api.APIError(e.status, e.message, param=e.param, code=e.code)
             raise error from e
         except api.APIError as e:
@@ -831,7 +837,7 @@ class _Run:
         prompt's tokens too (a prompt's n copies count it once, as usage does)."""
         m = self.router.metrics
         labels = self.router.labels
-        if count_prompt and status != "rejected":
+        if count_prompt and status not in REFUSED:
             m.prompt_tokens.labels(**labels).inc(len(self.prompt_ids))
         if self.num_tokens:
             m.generation_tokens.labels(**labels).inc(self.num_tokens)
