@@ -158,6 +158,10 @@ def settings_for(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings.posting.event_name_prefix = f"{MANAGED_BY}-"
     settings.watching.server_timeout = 300
     settings.peering.stealth = True
+    # A deleted LLMService keeps kopf's finalizer until its resync timer has returned; a timer
+    # still running when the deletion arrives (a sync handler cannot be cancelled) is checked
+    # again only after this long: kopf's default, 60 s, held every such deletion for a minute.
+    settings.background.cancellation_polling = 1.0
     # The API server filters the children's watches (Deployments, Services) to ours, so the
     # operator is not sent every Deployment and Service in the watched namespaces.
     managed = f"app.kubernetes.io/managed-by={MANAGED_BY}"

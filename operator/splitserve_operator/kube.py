@@ -89,9 +89,17 @@ def load_api_client() -> client.ApiClient:
     return client.ApiClient()
 
 
+# (connect, read) seconds for every call. The client's default is none at all: an API server
+# that stops answering without closing the connection (a network partition, a frozen or
+# failed-over control plane) blocked the call for good, with the LLMService's lock held, so
+# that LLMService was never reconciled again and autoscaler threads were lost one by one.
+REQUEST_TIMEOUT = (10.0, 30.0)
+
+
 class Kube:
     def __init__(self, api_client: client.ApiClient) -> None:
         self.api = api_client
+        self.timeout = REQUEST_TIMEOUT
 
     def request(
         self,
@@ -114,7 +122,9 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         # The REST layer serialises JSON (and apply-patch YAML) bodies itself.
-        response = self.api.call_api(method, url, header_params=headers, body=body)
+        response = self.api.call_api(
+            method, url, header_params=headers, body=body, _request_timeout=self.timeout
+        )
         raw = response.read()
         if method == "GET" and response.status == 404:
             return None

@@ -268,7 +268,9 @@ def apply_children(
         except KubeError as e:
             failures.append(e.applying(str(ref)))
             continue
-        if live is None:
+        # Deleted after it was read (a user's `kubectl delete` racing the reconcile): the apply
+        # made a new one, which the Events must call a creation, not an update.
+        if live is None or result["metadata"].get("uid") != live["metadata"].get("uid"):
             outcome.created.append(str(ref))
         elif changed(live, result):
             outcome.updated.append(str(ref))

@@ -63,3 +63,12 @@ def test_children_watches_are_filtered_by_the_api_server() -> None:
     assert selectors("", "services") == ours
     # Nothing else is narrowed: LLMServices and pods are read whatever their labels.
     assert selectors("", "pods") == [] and selectors(GROUP, "llmservices") == []
+
+
+def test_a_deletion_waits_for_a_running_resync_seconds_not_a_minute() -> None:
+    # kopf re-checks a timer still running at an LLMService's deletion (its finalizer stays
+    # until then) after this long; its default, 60 s, held such deletions for a minute.
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    settings = cli.settings_for(parser.parse_args(["--all-namespaces"]))
+    assert settings.background.cancellation_polling <= 2

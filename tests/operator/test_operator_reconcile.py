@@ -312,33 +312,48 @@ def test_a_refused_child_is_named_in_the_error() -> None:
     assert err.value.status == 422
 
 
+class VanishingKube(RecordingKube):
+    """`doomed` is deleted right after apply_children reads it (someone's kubectl delete)."""
+
+    doomed: Ref | None = None
+
+    def get(self, ref: Ref) -> dict[str, Any] | None:
+        live = super().get(ref)
+        if ref == self.doomed:
+            del self.objects[ref]  # deleted right after this read
+        return live
+
+    def apply(self, obj: dict[str, Any], manager: str, force: bool = True) -> dict[str, Any]:
+        new = Ref.of(obj) not in self.objects
+        result = super().apply(obj, manager, force)
+        if new:  # the API server gives every new object its own uid
+            self.objects[Ref.of(obj)]["metadata"]["uid"] = f"uid-{self.version}"
+            result["metadata"]["uid"] = f"uid-{self.version}"
+        return result
+
+
 def test_a_deployment_deleted_after_the_read_comes_back_with_the_spec_replicas() -> None:
     # apply_children reads every child first; a Deployment deleted before its own apply is
     # made anew by that apply, with the API server's default of one replica. Outside mode Off
     # nothing would set them later (they belong to the autoscaler), so the apply does.
-    class Kube(RecordingKube):
-        doomed: Ref | None = None
-
-        def get(self, ref: Ref) -> dict[str, Any] | None:
-            live = super().get(ref)
-            if ref == self.doomed:
-                del self.objects[ref]  # deleted right after this read
-            return live
-
-        def apply(self, obj: dict[str, Any], manager: str, force: bool = True) -> dict[str, Any]:
-            new = Ref.of(obj) not in self.objects
-            result = super().apply(obj, manager, force)
-            if new:  # the API server gives every new object its own uid
-                self.objects[Ref.of(obj)]["metadata"]["uid"] = f"uid-{self.version}"
-                result["metadata"]["uid"] = f"uid-{self.version}"
-            return result
-
-    kube = Kube()
+    kube = VanishingKube()
     apply_children(kube, children("Builtin"), "Builtin")  # type: ignore[arg-type]
     kube.doomed = DECODE
     outcome = apply_children(kube, children("Builtin"), "Builtin")  # type: ignore[arg-type]
     assert kube.objects[DECODE]["spec"]["replicas"] == 2
     assert str(DECODE) in outcome.created
+
+
+def test_a_child_deleted_after_the_read_is_reported_as_created_not_updated() -> None:
+    # A Service (or ConfigMap, PDB) deleted between apply_children's read and its apply is
+    # made anew by the apply: the Events must say it was created, not "applied" as an update.
+    router = Ref("v1", "Service", "ns", "chat-router")
+    kube = VanishingKube()
+    apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
+    kube.doomed = router
+    outcome = apply_children(kube, children("Off"), "Off")  # type: ignore[arg-type]
+    assert router in kube.objects
+    assert str(router) in outcome.created and str(router) not in outcome.updated
 
 
 def test_one_refused_child_does_not_hold_back_the_others() -> None:
