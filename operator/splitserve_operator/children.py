@@ -25,7 +25,7 @@ from .names import (
     selector_labels,
 )
 from .podtemplate import pod_template
-from .spec import POOLS, Spec
+from .spec import POOLS, Spec, parse_duration
 from .status import pod_ended
 from .workerconfig import component_config, config_hash, serving_config
 
@@ -247,7 +247,21 @@ def monitors(service: str, namespace: str, spec: Spec, owner: dict) -> list[dict
 
 PROMETHEUS_RULE = ("monitoring.coreos.com/v1", "PrometheusRule")
 # The alerts' rate window: a quantile over fewer minutes swings with a handful of requests.
+# Never under four scrape intervals either (autoscaler.window_seconds' rule): a rate needs two
+# samples, and scraped every 4m or 5m a 5m window held two at none of promtool's evaluations,
+# so no alert ever fired.
 ALERT_WINDOW = "5m"
+ALERT_WINDOW_SECONDS = 300
+ALERT_WINDOW_SCRAPES = 4
+
+
+def alert_window(spec: Spec) -> str:
+    """The alerts' rate window: ALERT_WINDOW, or four scrape intervals when that is longer."""
+    scrape = parse_duration(spec.monitoring_interval, "spec.monitoring.interval")
+    seconds = math.ceil(ALERT_WINDOW_SCRAPES * scrape)
+    return ALERT_WINDOW if seconds <= ALERT_WINDOW_SECONDS else f"{seconds}s"
+
+
 # SplitserveRequestErrors fires above this share of requests ending in a server error,
 # SplitserveNoCapacity above this share refused for want of capacity (503 no_capacity).
 ERROR_RATIO = 0.05
@@ -266,10 +280,13 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
     q = f"{spec.percentile / 100:g}"
     pct = f"p{spec.percentile:g}"
     who = f"LLMService {namespace}/{service}"
-    labels = {"severity": "warning", "llmservice": service}
+    # `namespace` too: the expressions sum it away, and LLMServices of one name in two
+    # namespaces raised alerts with one label set, which Alertmanager merges into one.
+    labels = {"severity": "warning", "namespace": namespace, "llmservice": service}
+    window = alert_window(spec)
 
     def latency(alert: str, metric: str, what: str, objective: float) -> dict[str, Any]:
-        rate = f"rate(splitserve_{metric}_bucket{{{router}}}[{ALERT_WINDOW}])"
+        rate = f"rate(splitserve_{metric}_bucket{{{router}}}[{window}])"
         return {
             "alert": alert,
             "expr": f"histogram_quantile({q}, sum by (le) ({rate})) > {objective:g}",
@@ -278,17 +295,17 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
             "annotations": {
                 "summary": f"{who}: {pct} {what} above its {_objective(objective)} objective",
                 "description": (
-                    f"{pct} {what} at the router over the last {ALERT_WINDOW} is "
+                    f"{pct} {what} at the router over the last {window} is "
                     "{{ $value | humanizeDuration }}, above the objective of "
                     f"{_objective(objective)} for {spec.alerts_for}. The LLMService's "
-                    "status.<pool>.lastDecision says what the autoscaler made of it."
+                    "status.autoscaler.<pool>.lastDecision says what the autoscaler made of it."
                 ),
             },
         }
 
     def share(alert: str, status: str, ratio: float, what: str) -> dict[str, Any]:
-        some = f'sum(rate(splitserve_requests_total{{{router},status="{status}"}}[{ALERT_WINDOW}]))'
-        every = f"sum(rate(splitserve_requests_total{{{router}}}[{ALERT_WINDOW}]))"
+        some = f'sum(rate(splitserve_requests_total{{{router},status="{status}"}}[{window}]))'
+        every = f"sum(rate(splitserve_requests_total{{{router}}}[{window}]))"
         return {
             "alert": alert,
             "expr": f"{some} / {every} > {ratio:g}",
@@ -298,7 +315,7 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
                 "summary": f"{who}: over {ratio:.0%} of requests {what.split(':')[0]}",
                 "description": (
                     "{{ $value | humanizePercentage }} of requests over the last "
-                    f"{ALERT_WINDOW} {what} (splitserve_requests_total"
+                    f"{window} {what} (splitserve_requests_total"
                     f'{{status="{status}"}}).'
                 ),
             },

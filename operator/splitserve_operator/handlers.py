@@ -30,6 +30,7 @@ from .reconcile import ChildConflict, apply_children
 from .scaling import WAKE_SECONDS, Scaler, ScalerState
 from .spec import POOLS, Spec, SpecError, parse_spec
 from .status import compute_status, invalid_status, now_rfc3339, pod_trouble
+from .workerconfig import CURRENT_CONFIG_MAPS
 
 MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
 MONITORING_PLURALS = ("servicemonitors", "podmonitors")
@@ -369,11 +370,12 @@ class Operator:
         """Delete this LLMService's config ConfigMaps that no Deployment, live ReplicaSet or pod
         mounts any more (children.superseded_configs); returns what went. Under the LLMService's
         lock, so never between a reconcile's creating a new one and its Deployments' naming it.
-        One list call when there is only the current one: it runs on every Deployment event."""
+        One list call when there are only the current ones (the router's and the pools'): it
+        runs on every Deployment event."""
         with self._serialized(namespace, service):
             maps = self.kube.list_objects("v1", "configmaps", namespace,
                                           selector_labels(service, "config"))  # fmt: skip
-            if len(maps) <= 1:
+            if len(maps) <= CURRENT_CONFIG_MAPS:
                 return []
             instance = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": service}
             # Consistent reads: the configmaps list above may already show the version a

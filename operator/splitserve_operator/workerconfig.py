@@ -76,6 +76,9 @@ CONFIG_SECTIONS = {
     "prefill": ("service", "model", "prefill", "decode"),
     "decode": ("service", "model", "prefill", "decode"),
 }
+# ConfigMaps an LLMService's current config takes (components reading the same sections share
+# one): more than that, and one is a superseded version.
+CURRENT_CONFIG_MAPS = len(set(CONFIG_SECTIONS.values()))
 
 
 def component_config(config: ServingConfig, component: str) -> str:

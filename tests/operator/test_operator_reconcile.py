@@ -412,30 +412,62 @@ def test_a_config_version_is_never_collected_on_a_stale_read_of_its_users() -> N
     def config(name: str) -> dict[str, Any]:
         return {"metadata": {"name": name, "uid": f"u-{name}", "ownerReferences": [{"uid": "uid"}]}}
 
-    # A reconcile made chat-config-b and pointed the Deployments at it; the rollout has begun.
+    # A reconcile made chat-config-b and pointed the pools' Deployments at it; the rollout has
+    # begun. (chat-config-r: the router's, unchanged.)
+    router = mounting("chat-config-r")
     kube = CachingKube(
         {
-            "configmaps": [config("chat-config-a"), config("chat-config-b")],
-            "deployments": [mounting("chat-config-b") for _ in range(3)],
+            "configmaps": [
+                config("chat-config-a"),
+                config("chat-config-b"),
+                config("chat-config-r"),
+            ],
+            "deployments": [mounting("chat-config-b") for _ in range(2)] + [router],
             "replicasets": [mounting("chat-config-a", 1), mounting("chat-config-b", 1)],
             "pods": [{"spec": mounting("chat-config-a")["spec"]["template"]["spec"]}] * 3,
         }
     )
     # The configmaps cache has caught up; the deployments and replicasets caches are a moment
     # behind (each kind has its own): read from them, chat-config-b looks unused.
-    kube.cached["deployments"] = [mounting("chat-config-a") for _ in range(3)]
+    kube.cached["deployments"] = [mounting("chat-config-a") for _ in range(2)] + [router]
     kube.cached["replicasets"] = [mounting("chat-config-a", 1)]
     operator = Operator(kube, OperatorConfig())
     assert operator.retire_configs("ns", "chat", "uid") == []
     assert [m["metadata"]["name"] for m in kube.live["configmaps"]] == [
         "chat-config-a",
         "chat-config-b",
+        "chat-config-r",
     ]
     # Once the rollout is over, the old version goes.
     kube.cached.clear()
     kube.live["replicasets"][0]["spec"]["replicas"] = 0
     kube.live["pods"] = [{"spec": mounting("chat-config-b")["spec"]["template"]["spec"]}] * 3
     assert operator.retire_configs("ns", "chat", "uid") == ["ConfigMap ns/chat-config-a"]
+
+
+def test_the_current_config_maps_alone_cost_one_list_call() -> None:
+    # Config collection runs on every Deployment event. The router and the pools have a
+    # ConfigMap each: two current versions are nothing to collect, and listing the
+    # Deployments, ReplicaSets and every pod (consistent reads) to find that out each time was
+    # what the one-list shortcut was there to avoid.
+    objs = desired_children(
+        "chat", "ns", "uid", parse_spec(
+            {"model": {"name": "m", "path": "/m"}, "prefill": {}, "decode": {}}
+        ), OperatorConfig(), False,
+    )  # fmt: skip
+    maps = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert len(maps) == 2
+    kube = CachingKube({"configmaps": copy.deepcopy(maps)})
+    lists: list[str] = []
+    real = kube.request
+
+    def request(method: str, path: str, **kw: Any) -> Any:
+        lists.append(path.rsplit("/", 1)[-1])
+        return real(method, path, **kw)
+
+    kube.request = request  # type: ignore[method-assign]
+    assert Operator(kube, OperatorConfig()).retire_configs("ns", "chat", "uid") == []
+    assert lists == ["configmaps"]
 
 
 def test_a_resync_that_meets_an_unapplied_spec_handles_it_as_a_change() -> None:

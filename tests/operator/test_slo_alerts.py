@@ -59,7 +59,7 @@ def test_the_rule_carries_the_slo_of_the_spec() -> None:
     assert 'service="chat"' in ttft["expr"] and 'namespace="team-a"' in ttft["expr"]
     assert found["SplitserveTPOTAboveObjective"]["expr"].endswith(" > 0.04")
     assert {r["for"] for r in found.values()} == {"10m"}
-    assert ttft["labels"] == {"severity": "warning", "llmservice": "chat"}
+    assert ttft["labels"] == {"severity": "warning", "namespace": "team-a", "llmservice": "chat"}
     assert "300ms objective" in ttft["annotations"]["summary"]
 
     spec = copy.deepcopy(SPEC)
@@ -70,6 +70,36 @@ def test_the_rule_carries_the_slo_of_the_spec() -> None:
     assert found["SplitserveTTFTAboveObjective"]["expr"].endswith(" > 2")
     assert found["SplitserveTPOTAboveObjective"]["expr"].endswith(" > 0.05")  # the default
     assert {r["for"] for r in found.values()} == {"1h"}
+
+
+def test_alerts_of_namesakes_in_two_namespaces_differ_in_their_labels() -> None:
+    # The expressions sum every label away: without `namespace` on the rule, "chat" in team-a
+    # and "chat" in team-b raised alerts with one label set, merged into one by Alertmanager.
+    def labels(namespace: str) -> list[dict[str, str]]:
+        objs = desired_children(
+            "chat", namespace, "uid-1", parse_spec(SPEC), OperatorConfig(), True,
+            rules_available=True,
+        )  # fmt: skip
+        (obj,) = [o for o in objs if o["kind"] == "PrometheusRule"]
+        return [r["labels"] for r in alerts(obj).values()]
+
+    assert all(a["namespace"] == "team-a" for a in labels("team-a"))
+    assert not set(map(str, labels("team-a"))) & set(map(str, labels("team-b")))
+
+
+def test_the_rate_window_holds_several_scrapes() -> None:
+    # A 5m rate over a series scraped every 2m holds two or three samples at best: the window
+    # grows to four scrape intervals, as the autoscaler's does.
+    for interval, window in (("15s", "[5m]"), ("1m15s", "[5m]"), ("2m", "[480s]")):
+        spec = copy.deepcopy(SPEC)
+        spec["monitoring"] = {"interval": interval}
+        obj = rule(spec)
+        assert obj is not None
+        for r in alerts(obj).values():
+            assert window in r["expr"] and "[5m]" not in r["expr"].replace(window, ""), r["expr"]
+        found = alerts(obj)["SplitserveTTFTAboveObjective"]["annotations"]["description"]
+        assert f"over the last {window[1:-1]} " in found
+        assert "status.autoscaler.<pool>.lastDecision" in found
 
 
 def test_no_rule_without_alerts_monitoring_or_the_kind_and_which_go_when_turned_off() -> None:
