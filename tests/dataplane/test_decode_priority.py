@@ -1,7 +1,8 @@
 """A decode worker ranks Reserve calls by priority on its own, so the rule holds across several
-routers: once an interactive reservation has been refused for lack of blocks, background ones
-are refused (`behind_interactive`) until interactive requests stop asking, and the blocks that
-free up meanwhile go to the interactive request. A real decode worker process, real gRPC."""
+routers: once a waiting interactive reservation (refused everywhere before) has been refused
+for lack of blocks, background ones are refused (`behind_interactive`) until interactive
+requests stop asking, and the blocks that free up meanwhile go to the interactive request. A
+real decode worker process, real gRPC."""
 
 from __future__ import annotations
 
@@ -28,13 +29,16 @@ async def test_background_reservations_stand_back_for_a_refused_interactive_one(
     block = spec.block_size
     stub = dataplane.decode(decode.endpoint)
 
-    async def reserve(rid: str, blocks: int, priority: int) -> pb.ReserveResponse:
+    async def reserve(
+        rid: str, blocks: int, priority: int, waiting: bool = False
+    ) -> pb.ReserveResponse:
         return await stub.Reserve(
             pb.ReserveRequest(
                 request_id=rid,
                 model=spec,
                 num_prompt_tokens=blocks * block - 1,  # + the first token: exactly `blocks`
                 priority=priority,
+                waiting=waiting,
             )
         )
 
@@ -48,7 +52,14 @@ async def test_background_reservations_stand_back_for_a_refused_interactive_one(
 
     held = await reserve("holder", total - 2, BACKGROUND)
     assert held.accepted, held.reason
-    refused = await reserve("interactive-big", 3, INTERACTIVE)  # 2 free, 3 needed
+    # Its first round: another worker may admit it, so nothing is held back yet.
+    first_try = await reserve("interactive-big", 3, INTERACTIVE)  # 2 free, 3 needed
+    assert not first_try.accepted and first_try.reason == "no_free_blocks"
+    passing = await reserve("bg-meanwhile", 1, BACKGROUND)
+    assert passing.accepted, passing.reason
+    await abort("bg-meanwhile")
+    # Refused everywhere, it waits: its next refusal here holds background requests back.
+    refused = await reserve("interactive-big", 3, INTERACTIVE, waiting=True)
     assert not refused.accepted and refused.reason == "no_free_blocks"
 
     # Two blocks are free and a background request needs one, but the interactive request
@@ -63,7 +74,7 @@ async def test_background_reservations_stand_back_for_a_refused_interactive_one(
 
     # The holder ends: the interactive request's retry gets the blocks.
     await abort("holder")
-    got = await reserve("interactive-big", 3, INTERACTIVE)
+    got = await reserve("interactive-big", 3, INTERACTIVE, waiting=True)
     assert got.accepted, got.reason
 
     # No interactive request is refused any more: background ones are admitted again once the

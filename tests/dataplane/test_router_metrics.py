@@ -281,8 +281,10 @@ class _Slots:
     def __init__(self) -> None:
         self.free = 0
         self.accepted: list[str] = []
+        self.asked: list[tuple[str, bool]] = []  # (request id, waiting) of every call
 
     async def Reserve(self, req: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
+        self.asked.append((req.request_id, req.waiting))
         if self.free <= 0:
             return pb.ReserveResponse(accepted=False, reason="no_free_blocks", free_blocks=0)
         self.free -= 1
@@ -319,6 +321,11 @@ async def test_blocks_that_free_up_go_to_a_waiting_interactive_request_first() -
     slots.free = 1  # one request's blocks free up
     await interactive
     assert slots.accepted == ["interactive"] and decode.interactive_waiting == 0
+    # The interactive request tells the workers it waits (refused everywhere once), so they
+    # hold background requests of other routers back too; its first call does not.
+    interactive_calls = [waiting for rid, waiting in slots.asked if rid == "interactive"]
+    assert interactive_calls[0] is False and interactive_calls[-1] is True
+    assert all(not waiting for rid, waiting in slots.asked if rid == "background")
     slots.free = 1
     await background
     assert slots.accepted == ["interactive", "background"]

@@ -39,10 +39,11 @@ SERVICE = "splitserve.v1.DecodeService"
 # Chunks up to this size are imported on the event loop; larger ones on the import thread.
 INLINE_IMPORT_BYTES = 2 << 20
 MAX_PENDING_IMPORTS = 2
-# After an interactive Reserve is refused for lack of blocks, background ones are refused for
-# this long (each such refusal extends it): the blocks that free up go to the interactive
-# request, whichever router it waits in. Routers retry a refused reservation at least once a
-# second, so a waiting interactive request keeps the window open.
+# After a waiting interactive Reserve (its caller refused everywhere once) is refused for lack of
+# blocks, background ones are refused for this long (each such refusal extends it): the blocks
+# that free up go to the interactive request, whichever router it waits in. Routers retry a
+# refused reservation at least once a second, so a waiting interactive request keeps the window
+# open.
 INTERACTIVE_HOLD_S = 1.5
 
 
@@ -211,9 +212,10 @@ class DecodeRole:
                 self._release(rid)
             return refuse("aborted by the router", "aborted")
         if not ok:
-            if not background:
+            if not background and request.waiting:
                 # It fits once enough blocks free up (a prompt the whole cache cannot hold was
-                # refused above): keep them from background requests.
+                # refused above): keep them from background requests. Not for a request on its
+                # first round, which another worker may well admit.
                 self._interactive_waits_until = time.monotonic() + INTERACTIVE_HOLD_S
             return refuse("no_free_blocks", "no_free_blocks")
         spec = self.w.spec

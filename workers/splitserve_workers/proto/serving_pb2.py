@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/serving.proto\x12\rsplitserve.v1\"y\n\tModelSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\"\xdd\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"T\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1a.splitserve.v1.TopLogprobs\"\xc1\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05model\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.ModelSpec\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.splitserve.v1.Priority\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\"u\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xa4\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x13\n\x0btoken_start\x18\x03 \x01(\x05\x12\x13\n\x0btoken_count\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0b\n\x03key\x18\x06 \x01(\x0c\x12\r\n\x05value\x18\x07 \x01(\x0c\x12\x0c\n\x04last\x18\x08 \x01(\x08\x12\x13\n\x0blayer_count\x18\t \x01(\x05\"/\n\x0ePushKVResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.splitserve.v1.Priority\x12\x1b\n\x13\x66irst_token_logprob\x18\x06 \x01(\x02\"\xfa\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.splitserve.v1.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x81\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12)\n\x08priority\x18\x04 \x01(\x0e\x32\x17.splitserve.v1.Priority\x12\x17\n\x0f\x64\x65\x63ode_endpoint\x18\x05 \x01(\t\x12.\n\x0c\x64\x65\x63ode_model\x18\x06 \x01(\x0b\x32\x18.splitserve.v1.ModelSpec\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x07 \x01(\x05\"\x7f\n\x0cPrefillEvent\x12\x30\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.FirstTokenH\x00\x12\x34\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xe4\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x30\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\"P\n\x0cTransferDone\x12\x18\n\x10transfer_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x65xposed_seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\"\x9b\x01\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12)\n\x08priority\x18\x04 \x01(\x0e\x32\x17.splitserve.v1.Priority\"\r\n\x0bLoadRequest\"\xeb\x01\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\'\n\x05model\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.ModelSpec\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x05 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\x05\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\n \x01(\x05*=\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x17\n\x13PRIORITY_BACKGROUND\x10\x01\x32\xe8\x02\n\rDecodeService\x12H\n\x07Reserve\x12\x1d.splitserve.v1.ReserveRequest\x1a\x1e.splitserve.v1.ReserveResponse\x12\x41\n\x06PushKV\x12\x16.splitserve.v1.KVChunk\x1a\x1d.splitserve.v1.PushKVResponse(\x01\x12G\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x19.splitserve.v1.TokenEvent0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12=\n\x04Load\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport2\xdc\x01\n\x0ePrefillService\x12G\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1b.splitserve.v1.PrefillEvent0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12=\n\x04Load\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport2\xde\x01\n\x10\x43olocatedService\x12G\n\x08\x43omplete\x12\x1e.splitserve.v1.CompleteRequest\x1a\x19.splitserve.v1.TokenEvent0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12=\n\x04Load\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/serving.proto\x12\rsplitserve.v1\"y\n\tModelSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\"\xdd\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"T\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1a.splitserve.v1.TopLogprobs\"\xd2\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05model\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.ModelSpec\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.splitserve.v1.Priority\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x0f\n\x07waiting\x18\x07 \x01(\x08\"u\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xa4\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x13\n\x0btoken_start\x18\x03 \x01(\x05\x12\x13\n\x0btoken_count\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0b\n\x03key\x18\x06 \x01(\x0c\x12\r\n\x05value\x18\x07 \x01(\x0c\x12\x0c\n\x04last\x18\x08 \x01(\x08\x12\x13\n\x0blayer_count\x18\t \x01(\x05\"/\n\x0ePushKVResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.splitserve.v1.Priority\x12\x1b\n\x13\x66irst_token_logprob\x18\x06 \x01(\x02\"\xfa\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.splitserve.v1.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x81\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12)\n\x08priority\x18\x04 \x01(\x0e\x32\x17.splitserve.v1.Priority\x12\x17\n\x0f\x64\x65\x63ode_endpoint\x18\x05 \x01(\t\x12.\n\x0c\x64\x65\x63ode_model\x18\x06 \x01(\x0b\x32\x18.splitserve.v1.ModelSpec\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x07 \x01(\x05\"\x7f\n\x0cPrefillEvent\x12\x30\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.FirstTokenH\x00\x12\x34\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xe4\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x30\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\"P\n\x0cTransferDone\x12\x18\n\x10transfer_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x65xposed_seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\"\x9b\x01\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12)\n\x08priority\x18\x04 \x01(\x0e\x32\x17.splitserve.v1.Priority\"\r\n\x0bLoadRequest\"\xeb\x01\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\'\n\x05model\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.ModelSpec\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x05 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\x05\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\n \x01(\x05*=\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x17\n\x13PRIORITY_BACKGROUND\x10\x01\x32\xe8\x02\n\rDecodeService\x12H\n\x07Reserve\x12\x1d.splitserve.v1.ReserveRequest\x1a\x1e.splitserve.v1.ReserveResponse\x12\x41\n\x06PushKV\x12\x16.splitserve.v1.KVChunk\x1a\x1d.splitserve.v1.PushKVResponse(\x01\x12G\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x19.splitserve.v1.TokenEvent0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12=\n\x04Load\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport2\xdc\x01\n\x0ePrefillService\x12G\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1b.splitserve.v1.PrefillEvent0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12=\n\x04Load\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport2\xde\x01\n\x10\x43olocatedService\x12G\n\x08\x43omplete\x12\x1e.splitserve.v1.CompleteRequest\x1a\x19.splitserve.v1.TokenEvent0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12=\n\x04Load\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=2960
-  _globals['_PRIORITY']._serialized_end=3021
+  _globals['_PRIORITY']._serialized_start=2977
+  _globals['_PRIORITY']._serialized_end=3038
   _globals['_MODELSPEC']._serialized_start=46
   _globals['_MODELSPEC']._serialized_end=167
   _globals['_SAMPLINGPARAMS']._serialized_start=170
@@ -46,39 +46,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPTLOGPROBS']._serialized_start=701
   _globals['_PROMPTLOGPROBS']._serialized_end=785
   _globals['_RESERVEREQUEST']._serialized_start=788
-  _globals['_RESERVEREQUEST']._serialized_end=981
-  _globals['_RESERVERESPONSE']._serialized_start=983
-  _globals['_RESERVERESPONSE']._serialized_end=1100
-  _globals['_KVCHUNK']._serialized_start=1103
-  _globals['_KVCHUNK']._serialized_end=1267
-  _globals['_PUSHKVRESPONSE']._serialized_start=1269
-  _globals['_PUSHKVRESPONSE']._serialized_end=1316
-  _globals['_GENERATEREQUEST']._serialized_start=1319
-  _globals['_GENERATEREQUEST']._serialized_end=1524
-  _globals['_TOKENEVENT']._serialized_start=1527
-  _globals['_TOKENEVENT']._serialized_end=1777
-  _globals['_ABORTREQUEST']._serialized_start=1779
-  _globals['_ABORTREQUEST']._serialized_end=1813
-  _globals['_ABORTRESPONSE']._serialized_start=1815
-  _globals['_ABORTRESPONSE']._serialized_end=1845
-  _globals['_PREFILLREQUEST']._serialized_start=1848
-  _globals['_PREFILLREQUEST']._serialized_end=2105
-  _globals['_PREFILLEVENT']._serialized_start=2107
-  _globals['_PREFILLEVENT']._serialized_end=2234
-  _globals['_FIRSTTOKEN']._serialized_start=2237
-  _globals['_FIRSTTOKEN']._serialized_end=2465
-  _globals['_TRANSFERDONE']._serialized_start=2467
-  _globals['_TRANSFERDONE']._serialized_end=2547
-  _globals['_COMPLETEREQUEST']._serialized_start=2550
-  _globals['_COMPLETEREQUEST']._serialized_end=2705
-  _globals['_LOADREQUEST']._serialized_start=2707
-  _globals['_LOADREQUEST']._serialized_end=2720
-  _globals['_LOADREPORT']._serialized_start=2723
-  _globals['_LOADREPORT']._serialized_end=2958
-  _globals['_DECODESERVICE']._serialized_start=3024
-  _globals['_DECODESERVICE']._serialized_end=3384
-  _globals['_PREFILLSERVICE']._serialized_start=3387
-  _globals['_PREFILLSERVICE']._serialized_end=3607
-  _globals['_COLOCATEDSERVICE']._serialized_start=3610
-  _globals['_COLOCATEDSERVICE']._serialized_end=3832
+  _globals['_RESERVEREQUEST']._serialized_end=998
+  _globals['_RESERVERESPONSE']._serialized_start=1000
+  _globals['_RESERVERESPONSE']._serialized_end=1117
+  _globals['_KVCHUNK']._serialized_start=1120
+  _globals['_KVCHUNK']._serialized_end=1284
+  _globals['_PUSHKVRESPONSE']._serialized_start=1286
+  _globals['_PUSHKVRESPONSE']._serialized_end=1333
+  _globals['_GENERATEREQUEST']._serialized_start=1336
+  _globals['_GENERATEREQUEST']._serialized_end=1541
+  _globals['_TOKENEVENT']._serialized_start=1544
+  _globals['_TOKENEVENT']._serialized_end=1794
+  _globals['_ABORTREQUEST']._serialized_start=1796
+  _globals['_ABORTREQUEST']._serialized_end=1830
+  _globals['_ABORTRESPONSE']._serialized_start=1832
+  _globals['_ABORTRESPONSE']._serialized_end=1862
+  _globals['_PREFILLREQUEST']._serialized_start=1865
+  _globals['_PREFILLREQUEST']._serialized_end=2122
+  _globals['_PREFILLEVENT']._serialized_start=2124
+  _globals['_PREFILLEVENT']._serialized_end=2251
+  _globals['_FIRSTTOKEN']._serialized_start=2254
+  _globals['_FIRSTTOKEN']._serialized_end=2482
+  _globals['_TRANSFERDONE']._serialized_start=2484
+  _globals['_TRANSFERDONE']._serialized_end=2564
+  _globals['_COMPLETEREQUEST']._serialized_start=2567
+  _globals['_COMPLETEREQUEST']._serialized_end=2722
+  _globals['_LOADREQUEST']._serialized_start=2724
+  _globals['_LOADREQUEST']._serialized_end=2737
+  _globals['_LOADREPORT']._serialized_start=2740
+  _globals['_LOADREPORT']._serialized_end=2975
+  _globals['_DECODESERVICE']._serialized_start=3041
+  _globals['_DECODESERVICE']._serialized_end=3401
+  _globals['_PREFILLSERVICE']._serialized_start=3404
+  _globals['_PREFILLSERVICE']._serialized_end=3624
+  _globals['_COLOCATEDSERVICE']._serialized_start=3627
+  _globals['_COLOCATEDSERVICE']._serialized_end=3849
 # @@protoc_insertion_point(module_scope)

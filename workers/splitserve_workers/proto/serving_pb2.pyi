@@ -90,20 +90,22 @@ class PromptLogprobs(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "model", "num_prompt_tokens", "max_tokens", "priority", "prompt_token_ids")
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "max_tokens", "priority", "prompt_token_ids", "waiting")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: ModelSpec
     num_prompt_tokens: int
     max_tokens: int
     priority: Priority
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    waiting: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., waiting: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("accepted", "reason", "lease_ms", "free_blocks", "num_cached_tokens")

@@ -467,6 +467,7 @@ class Flow:
                             num_prompt_tokens=len(self.req.prompt_token_ids),
                             max_tokens=self.req.max_tokens,
                             priority=self.req.priority,
+                            waiting=self._counted_waiting,
                             # The worker looks the prompt up in its prefix cache: what it
                             # holds (earlier turns it generated) need not travel.
                             prompt_token_ids=(
