@@ -38,12 +38,12 @@ class KubeError(RuntimeError):
         self.status = status
         self.message = message  # the server's own words
 
-    def applying(self, what: str) -> KubeError:
+    def applying(self, what: str, doing: str = "applying") -> KubeError:
         """The same error, told as a kubectl user reads it (status, Events): which child the
         API server refused and why, e.g. "applying Deployment ns/x: Deployment.apps "x" is
         invalid: ... (HTTP 422)", instead of the request line."""
         err = KubeError(self.status, "", "", self.message)
-        err.args = (f"applying {what}: {self.message} (HTTP {self.status})",)
+        err.args = (f"{doing} {what}: {self.message} (HTTP {self.status})",)
         return err
 
 

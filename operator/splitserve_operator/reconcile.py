@@ -231,19 +231,30 @@ def apply_children(
 ) -> Outcome:
     """Raises ChildConflict, before changing anything, when an object of a child's name exists
     that this LLMService does not control."""
-    lives = [kube.get(Ref.of(obj)) for obj in objects]
+    # One child the API server refuses must not hold back the others: a Service it cannot
+    # repair used to leave a hand-set Deployment image (and every later child) unrepaired.
+    # That holds for reading too: a kind the operator's Role does not cover yet (a newer
+    # operator before its chart's RBAC, e.g. the PrometheusRule) stopped every child, the new
+    # config and Deployments included. A child that cannot be read is not applied (whose it
+    # is cannot be told), and is reported with the other failures.
+    failures: list[KubeError] = []
+    lives: list[dict[str, Any] | None] = []
+    readable: list[dict[str, Any]] = []
+    for obj in objects:
+        try:
+            lives.append(kube.get(Ref.of(obj)))
+            readable.append(obj)
+        except KubeError as e:
+            failures.append(e.applying(str(Ref.of(obj)), doing="reading"))
     conflicts = [
         f"{Ref.of(obj)} ({why})"
-        for obj, live in zip(objects, lives, strict=True)
+        for obj, live in zip(readable, lives, strict=True)
         if live is not None and (why := not_ours(live, obj))
     ]
     if conflicts:
         raise ChildConflict(conflicts)
     outcome = Outcome()
-    # One child the API server refuses must not hold back the others: a Service it cannot
-    # repair used to leave a hand-set Deployment image (and every later child) unrepaired.
-    failures: list[KubeError] = []
-    for obj, live in zip(objects, lives, strict=True):
+    for obj, live in zip(readable, lives, strict=True):
         ref = Ref.of(obj)
         try:
             if obj["kind"] == "Deployment":

@@ -378,6 +378,38 @@ def test_one_refused_child_does_not_hold_back_the_others() -> None:
     assert len(kube.calls) >= len(objs) - 1  # every other child was still applied
 
 
+def test_a_child_it_may_not_read_does_not_hold_back_the_others() -> None:
+    """A newer operator before its chart's RBAC (the PrometheusRule new to it, say): the
+    403 on reading that one child stopped every other, so not even the new config ConfigMaps
+    and Deployments were applied; now only that child is left out, and named."""
+    spec = {
+        "model": {"name": "m", "path": "/models/m"},
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 1},
+    }
+    objs = desired_children(
+        "chat", "ns", "uid", parse_spec(spec), OperatorConfig(), True, rules_available=True
+    )
+    rule = Ref("monitoring.coreos.com/v1", "PrometheusRule", "ns", "chat-slo")
+    assert rule in [Ref.of(o) for o in objs]
+
+    class ForbiddingKube(RecordingKube):
+        def get(self, ref: Ref) -> dict[str, Any] | None:
+            if ref == rule:
+                raise KubeError(403, "GET", ref.path(), 'prometheusrules "chat-slo" is forbidden')
+            return super().get(ref)
+
+    kube = ForbiddingKube()
+    with pytest.raises(KubeError) as err:
+        apply_children(kube, objs, "Off")  # type: ignore[arg-type]
+    assert str(err.value) == (
+        'reading PrometheusRule ns/chat-slo: prometheusrules "chat-slo" is forbidden (HTTP 403)'
+    )
+    assert err.value.status == 403
+    assert rule not in kube.objects  # not applied: whose it is could not be told
+    assert set(kube.objects) == {Ref.of(o) for o in objs} - {rule}
+
+
 class CachingKube(Kube):
     """The API server's list semantics for config collection: a list with resourceVersion=0
     answers from its kind's watch cache (`cached`, per plural, when it lags), one without
