@@ -35,11 +35,11 @@ class GatedServer:
         self.rejected: list[str] = []
         real_reserve = self.engine.reserve
 
-        def gated_reserve(request_id: str, n: int, prompt: list[int] | None = None) -> bool:
+        def gated_reserve(request_id: str, n: int, *args: Any) -> bool:
             self.entered.set()
             self.gate.wait(WAIT_S)
             try:
-                return real_reserve(request_id, n, prompt)
+                return real_reserve(request_id, n, *args)
             finally:
                 self.returned.set()
 
