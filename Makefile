@@ -15,6 +15,7 @@ deps:  ## install system packages, the Python venv and the Go-built test plane (
 	bash hack/venv.sh >/dev/null
 	bash hack/testplane/build.sh >/dev/null
 	bash hack/testplane/keda-crd.sh >/dev/null
+	bash hack/testplane/monitoring-crds.sh >/dev/null
 
 demo:  ## local mode: build a tiny model, serve it disaggregated, stream a few requests, stop
 	@V=$$(bash hack/venv.sh) && $$V/bin/splitserve up --demo
@@ -26,7 +27,7 @@ test: deps  ## every test, including the real control plane, Prometheus and gRPC
 	@V=$$(bash hack/venv.sh) && PATH=$$V/bin:$$PATH bash hack/checks.sh && \
 	  PATH=$$V/bin:$$PATH $$V/bin/pytest $(PYTEST_ARGS)
 
-test-fast:  ## tests that need neither the control plane nor Prometheus
+test-fast:  ## tests that need no control plane or Prometheus server (promtool: `make deps`)
 	@V=$$(bash hack/venv.sh) && $$V/bin/pytest -m "not cluster" $(PYTEST_ARGS)
 
 lint:  ## ruff + mypy on the operator and the pure cores

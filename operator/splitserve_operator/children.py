@@ -274,8 +274,8 @@ def _objective(seconds: float) -> str:
 
 def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[str, Any]:
     """A PrometheusRule whose alerts say the SLO is missed, on the router's edge metrics (what
-    clients felt): TTFT and TPOT at the SLO's percentile above their objectives, and server
-    errors, each for spec.monitoring.alerts.for."""
+    clients felt): TTFT and TPOT at the SLO's percentile above their objectives, server errors,
+    and requests refused for want of capacity, each for spec.monitoring.alerts.for."""
     router = f'namespace="{namespace}",service="{service}",pool="router"'
     q = f"{spec.percentile / 100:g}"
     pct = f"p{spec.percentile:g}"

@@ -18,7 +18,7 @@ METRICS_PORT = 9100
 
 
 def child_name(service: str, component: str) -> str:
-    """component: router | prefill | decode | config | workers."""
+    """component: router | prefill | decode | config | workers | slo (the PrometheusRule)."""
     return f"{service}-{component}"
 
 
