@@ -303,7 +303,7 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
             },
         }
 
-    def share(alert: str, status: str, ratio: float, what: str) -> dict[str, Any]:
+    def share(alert: str, status: str, ratio: float, outcome: str, cause: str) -> dict[str, Any]:
         some = f'sum(rate(splitserve_requests_total{{{router},status="{status}"}}[{window}]))'
         every = f"sum(rate(splitserve_requests_total{{{router}}}[{window}]))"
         return {
@@ -312,10 +312,10 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
             "for": spec.alerts_for,
             "labels": labels,
             "annotations": {
-                "summary": f"{who}: over {ratio:.0%} of requests {what.split(':')[0]}",
+                "summary": f"{who}: over {ratio:.0%} of requests {outcome}",
                 "description": (
                     "{{ $value | humanizePercentage }} of requests over the last "
-                    f"{window} {what} (splitserve_requests_total"
+                    f"{window} {outcome}: {cause} (splitserve_requests_total"
                     f'{{status="{status}"}}).'
                 ),
             },
@@ -348,16 +348,18 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
                             "SplitserveRequestErrors",
                             "error",
                             ERROR_RATIO,
-                            "end in a server error: a worker failing or unreachable; the "
-                            "router's log and the workers' Events say which",
+                            "end in a server error",
+                            "a worker failing or unreachable; the router's log and the "
+                            "workers' Events say which",
                         ),
                         share(
                             "SplitserveNoCapacity",
                             "no_capacity",
                             NO_CAPACITY_RATIO,
-                            "are refused for want of capacity: no decode worker had free KV "
-                            "blocks within the admission timeout, or a pool had no worker; "
-                            "the pools' maxReplicas or the GPU budget may be too low",
+                            "are refused for want of capacity",
+                            "no decode worker had free KV blocks within the admission "
+                            "timeout, or a pool had no worker; the pools' maxReplicas or the "
+                            "GPU budget may be too low",
                         ),
                     ],
                 }
