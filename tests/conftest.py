@@ -12,6 +12,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,15 +63,18 @@ def namespace(control_plane: plane.ControlPlane, request: pytest.FixtureRequest)
 @pytest.fixture
 def prometheus() -> Iterator[Callable[..., Prometheus]]:
     """Factory: prometheus(["127.0.0.1:PORT"], scrape_interval="1s") -> running server with
-    `.url`, `.query(promql)` and `.wait_for(promql, predicate)`; stopped after the test."""
+    `.url`, `.query(promql)`, `.wait_for(promql, predicate)` and `.rule_groups()`; `labels`
+    adds labels per target, `rules` loads rule files ({name: {"groups": [...]}}); stopped
+    after the test."""
     started: list[Prometheus] = []
 
     def start(
         targets: list[str],
         scrape_interval: str = "1s",
         labels: dict[str, dict[str, str]] | None = None,
+        rules: dict[str, dict[str, Any]] | None = None,
     ) -> Prometheus:
-        prom = Prometheus(targets, scrape_interval, labels)
+        prom = Prometheus(targets, scrape_interval, labels, rules)
         started.append(prom)
         return prom
 

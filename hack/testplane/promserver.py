@@ -35,9 +35,11 @@ class Prometheus:
         targets: list[str],
         scrape_interval: str = "1s",
         labels: dict[str, dict[str, str]] | None = None,
+        rules: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """labels: per target, labels the scrape adds to its series (as kubernetes_sd
-        relabelling adds namespace and pod)."""
+        relabelling adds namespace and pod). rules: rule files by name, each a mapping with
+        `groups` (a PrometheusRule's spec); they are evaluated every scrape interval."""
         if not targets:
             raise ValueError("targets must name at least one host:port to scrape")
         for t in targets:
@@ -52,8 +54,16 @@ class Prometheus:
         self.dir = Path(tempfile.mkdtemp(prefix="splitserve-prom-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        rule_files = []
+        for name, content in (rules or {}).items():
+            if not re.fullmatch(r"[\w.\-]+", name):
+                raise ValueError(f"rules: {name!r} is not a plain file name")
+            rule_files.append(str(self.dir / f"{name}.rules.yml"))
+            # JSON is YAML, and it has no anchors where one mapping is shared by several rules.
+            Path(rule_files[-1]).write_text(json.dumps(content, indent=1))
         config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+            "rule_files": rule_files,
             "scrape_configs": [
                 {
                     "job_name": "test",
@@ -101,15 +111,25 @@ class Prometheus:
             time.sleep(0.2)
         raise RuntimeError(f"prometheus not ready in {timeout:.0f}s:\n{tail(self.log)}")
 
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        """Instant query; returns the API's data.result (vector samples)."""
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    def api(self, path: str, **params: str) -> Any:
+        """GET /api/v1/<path>; returns the answer's `data`."""
+        url = f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode(params)
         with urllib.request.urlopen(url, timeout=10) as resp:
             body = json.load(resp)
         if body.get("status") != "success":
-            raise RuntimeError(f"query {promql!r} failed: {body}")
-        result: list[dict[str, Any]] = body["data"]["result"]
+            raise RuntimeError(f"{path} {params} failed: {body}")
+        return body["data"]
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """Instant query; returns the API's data.result (vector samples)."""
+        result: list[dict[str, Any]] = self.api("query", query=promql)["result"]
         return result
+
+    def rule_groups(self) -> list[dict[str, Any]]:
+        """/api/v1/rules: every loaded group with its `file`, and each rule's `state`
+        (inactive, pending, firing), `health` and active `alerts`."""
+        groups: list[dict[str, Any]] = self.api("rules")["groups"]
+        return groups
 
     def wait_for(
         self,
