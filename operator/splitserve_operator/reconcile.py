@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .children import mounted_config_maps
 from .config import FIELD_MANAGER, REPLICAS_FIELD_MANAGER
 from .kube import Kube, KubeError, Ref
 
@@ -235,17 +236,28 @@ def apply_children(
     # repair used to leave a hand-set Deployment image (and every later child) unrepaired.
     # That holds for reading too: a kind the operator's Role does not cover yet (a newer
     # operator before its chart's RBAC, e.g. the PrometheusRule) stopped every child, the new
-    # config and Deployments included. A child that cannot be read is not applied (whose it
-    # is cannot be told), and is reported with the other failures.
+    # config and Deployments included. A child it may not read (403) is not applied (whose it
+    # is cannot be told), and is reported with the other failures. Any other read error (a
+    # 5xx, a 429: the API server busy) stops the apply before it changes anything, as a
+    # transport error does: the retry reads every child again.
     failures: list[KubeError] = []
     lives: list[dict[str, Any] | None] = []
     readable: list[dict[str, Any]] = []
+    # Config ConfigMaps that may not exist (not readable, or new and refused): a Deployment
+    # mounting one is not rolled onto it (its new pods could not start, e.g. under a quota on
+    # ConfigMaps); it keeps the config it has until the retry.
+    missing_configs: set[str] = set()
     for obj in objects:
+        ref = Ref.of(obj)
         try:
-            lives.append(kube.get(Ref.of(obj)))
+            lives.append(kube.get(ref))
             readable.append(obj)
         except KubeError as e:
-            failures.append(e.applying(str(Ref.of(obj)), doing="reading"))
+            if e.status != 403:
+                raise e.applying(str(ref), doing="reading") from e
+            failures.append(e.applying(str(ref), doing="reading"))
+            if obj["kind"] == "ConfigMap":
+                missing_configs.add(ref.name)
     conflicts = [
         f"{Ref.of(obj)} ({why})"
         for obj, live in zip(readable, lives, strict=True)
@@ -258,6 +270,8 @@ def apply_children(
         ref = Ref.of(obj)
         try:
             if obj["kind"] == "Deployment":
+                if mounted_config_maps(obj["spec"]["template"]["spec"]) & missing_configs:
+                    continue  # the ConfigMap's failure is reported; it is tried again first
                 apply_deployment(kube, obj, mode, outcome, wake_from_zero, live)
                 continue
             try:
@@ -278,6 +292,8 @@ def apply_children(
                 result = kube.apply(obj, FIELD_MANAGER)
         except KubeError as e:
             failures.append(e.applying(str(ref)))
+            if obj["kind"] == "ConfigMap" and live is None:
+                missing_configs.add(ref.name)
             continue
         # Deleted after it was read (a user's `kubectl delete` racing the reconcile): the apply
         # made a new one, which the Events must call a creation, not an update.

@@ -410,6 +410,66 @@ def test_a_child_it_may_not_read_does_not_hold_back_the_others() -> None:
     assert set(kube.objects) == {Ref.of(o) for o in objs} - {rule}
 
 
+def test_a_busy_api_server_reading_a_child_changes_nothing() -> None:
+    """A transient error reading a child (a 503, a 429) is no reason to go on: the new config
+    ConfigMap unread (so not applied), the Deployments were rolled onto it all the same and
+    their new pods could not mount it. Nothing changes; the retry reads everything again."""
+
+    def objs(path: str) -> list[dict[str, Any]]:
+        spec = {"model": {"name": "m", "path": path}, "prefill": {}, "decode": {}}
+        return desired_children("chat", "ns", "uid", parse_spec(spec), OperatorConfig(), False)
+
+    class BusyKube(RecordingKube):
+        busy: set[Ref] = set()
+
+        def get(self, ref: Ref) -> dict[str, Any] | None:
+            if ref in self.busy:
+                raise KubeError(503, "GET", ref.path(), "the server is currently unable")
+            return super().get(ref)
+
+    kube = BusyKube()
+    apply_children(kube, objs("/models/a"), "Off")  # type: ignore[arg-type]
+    before = copy.deepcopy(kube.objects)
+    new = objs("/models/b")
+    kube.busy = {Ref.of(o) for o in new if o["kind"] == "ConfigMap"} - set(kube.objects)
+    assert kube.busy
+    with pytest.raises(KubeError) as err:
+        apply_children(kube, new, "Off")  # type: ignore[arg-type]
+    assert err.value.status == 503 and str(err.value).startswith("reading ConfigMap ns/chat-")
+    assert kube.objects == before
+
+
+def test_a_deployment_is_not_rolled_onto_a_config_map_that_was_refused() -> None:
+    """A new config ConfigMap the API server refuses (a quota on ConfigMaps, say): the
+    Deployments that would mount it keep their config instead of rolling onto pods that cannot
+    start; the other children are applied."""
+
+    def objs(path: str) -> list[dict[str, Any]]:
+        spec = {"model": {"name": "m", "path": path}, "prefill": {}, "decode": {}}
+        return desired_children("chat", "ns", "uid", parse_spec(spec), OperatorConfig(), False)
+
+    class QuotaKube(RecordingKube):
+        refused: set[Ref] = set()
+
+        def apply(self, obj: dict[str, Any], manager: str, force: bool = True) -> dict[str, Any]:
+            if Ref.of(obj) in self.refused:
+                raise KubeError(403, "PATCH", Ref.of(obj).path(), "exceeded quota: configmaps")
+            return super().apply(obj, manager, force)
+
+    kube = QuotaKube()
+    apply_children(kube, objs("/models/a"), "Off")  # type: ignore[arg-type]
+    before = copy.deepcopy(kube.objects)
+    new = objs("/models/b")
+    kube.refused = {Ref.of(o) for o in new if o["kind"] == "ConfigMap"} - set(kube.objects)
+    with pytest.raises(KubeError) as err:
+        apply_children(kube, new, "Off")  # type: ignore[arg-type]
+    assert "exceeded quota" in str(err.value)
+    for ref, obj in kube.objects.items():
+        if ref.kind == "Deployment":
+            assert obj == before[ref], ref  # still on the config it has
+    assert not kube.refused & set(kube.objects)
+
+
 class CachingKube(Kube):
     """The API server's list semantics for config collection: a list with resourceVersion=0
     answers from its kind's watch cache (`cached`, per plural, when it lags), one without
