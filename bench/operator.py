@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))
 import plane  # noqa: E402
 from operator_process import OperatorProcess, install_chart, is_ready  # noqa: E402
 
-CHILDREN_PER_SERVICE = 10  # ConfigMap, 3 Services, 3 Deployments, 3 PodDisruptionBudgets
+# 2 ConfigMaps (the router's and the GPU pools'), 3 Services, 3 Deployments, 3 PDBs
+CHILDREN_PER_SERVICE = 11
 NAMESPACES = 5
 
 
