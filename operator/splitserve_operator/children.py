@@ -27,7 +27,7 @@ from .names import (
 from .podtemplate import pod_template
 from .spec import POOLS, Spec, parse_duration
 from .status import pod_ended
-from .workerconfig import component_config, config_hash, serving_config
+from .workerconfig import component_configs, config_hash, serving_config
 
 
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
@@ -285,41 +285,37 @@ def slo_alerts(service: str, namespace: str, spec: Spec, owner: dict) -> dict[st
     labels = {"severity": "warning", "namespace": namespace, "llmservice": service}
     window = alert_window(spec)
 
-    def latency(alert: str, metric: str, what: str, objective: float) -> dict[str, Any]:
-        rate = f"rate(splitserve_{metric}_bucket{{{router}}}[{window}])"
+    def alert(name: str, expr: str, summary: str, description: str) -> dict[str, Any]:
         return {
-            "alert": alert,
-            "expr": f"histogram_quantile({q}, sum by (le) ({rate})) > {objective:g}",
+            "alert": name,
+            "expr": expr,
             "for": spec.alerts_for,
             "labels": labels,
-            "annotations": {
-                "summary": f"{who}: {pct} {what} above its {_objective(objective)} objective",
-                "description": (
-                    f"{pct} {what} at the router over the last {window} is "
-                    "{{ $value | humanizeDuration }}, above the objective of "
-                    f"{_objective(objective)} for {spec.alerts_for}. The LLMService's "
-                    "status.autoscaler.<pool>.lastDecision says what the autoscaler made of it."
-                ),
-            },
+            "annotations": {"summary": f"{who}: {summary}", "description": description},
         }
 
-    def share(alert: str, status: str, ratio: float, outcome: str, cause: str) -> dict[str, Any]:
+    def latency(name: str, metric: str, what: str, objective: float) -> dict[str, Any]:
+        rate = f"rate(splitserve_{metric}_bucket{{{router}}}[{window}])"
+        return alert(
+            name,
+            f"histogram_quantile({q}, sum by (le) ({rate})) > {objective:g}",
+            f"{pct} {what} above its {_objective(objective)} objective",
+            f"{pct} {what} at the router over the last {window} is "
+            "{{ $value | humanizeDuration }}, above the objective of "
+            f"{_objective(objective)} for {spec.alerts_for}. The LLMService's "
+            "status.autoscaler.<pool>.lastDecision says what the autoscaler made of it.",
+        )
+
+    def share(name: str, status: str, ratio: float, outcome: str, cause: str) -> dict[str, Any]:
         some = f'sum(rate(splitserve_requests_total{{{router},status="{status}"}}[{window}]))'
         every = f"sum(rate(splitserve_requests_total{{{router}}}[{window}]))"
-        return {
-            "alert": alert,
-            "expr": f"{some} / {every} > {ratio:g}",
-            "for": spec.alerts_for,
-            "labels": labels,
-            "annotations": {
-                "summary": f"{who}: over {ratio:.0%} of requests {outcome}",
-                "description": (
-                    "{{ $value | humanizePercentage }} of requests over the last "
-                    f"{window} {outcome}: {cause} (splitserve_requests_total"
-                    f'{{status="{status}"}}).'
-                ),
-            },
-        }
+        return alert(
+            name,
+            f"{some} / {every} > {ratio:g}",
+            f"over {ratio:.0%} of requests {outcome}",
+            "{{ $value | humanizePercentage }} of requests over the last "
+            f'{window} {outcome}: {cause} (splitserve_requests_total{{status="{status}"}}).',
+        )
 
     return {
         "apiVersion": PROMETHEUS_RULE[0],
@@ -445,7 +441,7 @@ def desired_children(
     owner = owner_reference(service, uid)
     serving = serving_config(spec, service, namespace, config.cluster_domain)
     # One ConfigMap per distinct text: the prefill and decode pools read the same sections.
-    texts = {c: component_config(serving, c) for c in POOLS}
+    texts = component_configs(serving)
     digests = {c: config_hash(text) for c, text in texts.items()}
     image = spec.image or config.worker_image
     objects: list[dict[str, Any]] = [

@@ -34,11 +34,12 @@ _CANONICAL_PATH = re.compile(r"^(/[^/]+)+/?$")
 # loop.
 ROUTER_DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 
-# spec.autoscaling.interval's bounds (the CRD's rule too): a shorter one runs Builtin's ~20
-# Prometheus queries in a hot loop; a longer one makes the signals' window, four intervals,
-# span most of a day, and leaves a shortened interval waiting out the old one.
-MIN_AUTOSCALING_INTERVAL_SECONDS = 1.0
-MAX_AUTOSCALING_INTERVAL_SECONDS = 3600.0
+# Bounds of spec.autoscaling.interval and spec.router's timeouts (the CRD's rules too). A
+# shorter interval runs Builtin's ~20 Prometheus queries in a hot loop; a longer one makes the
+# signals' window, four intervals, span most of a day, and leaves a shortened interval waiting
+# out the old one.
+MIN_DURATION_SECONDS = 1.0
+MAX_DURATION_SECONDS = 3600.0
 
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|ms|s|m|h)")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -95,31 +96,19 @@ def slo_duration(slo: dict[str, Any], key: str, default: str) -> float:
     return seconds
 
 
+def duration_within(text: str, field_name: str, off_allowed: bool = False) -> float:
+    """A duration between 1s and 1h (spec.autoscaling.interval, spec.router's timeouts) in
+    seconds; 0s too where `off_allowed` (writeTimeout: never cut a client)."""
+    seconds = parse_duration(text, field_name, allow_zero=off_allowed)
+    if seconds and not MIN_DURATION_SECONDS <= seconds <= MAX_DURATION_SECONDS:
+        off = " (or 0s: never)" if off_allowed else ""
+        raise SpecError(f"{field_name}: {text!r} must be between 1s and 1h{off}")
+    return seconds
+
+
 def autoscaling_interval(autoscaling: dict[str, Any]) -> float:
     """spec.autoscaling.interval in seconds, within its bounds."""
-    text = autoscaling.get("interval", "15s")
-    seconds = parse_duration(text, "spec.autoscaling.interval")
-    if not MIN_AUTOSCALING_INTERVAL_SECONDS <= seconds <= MAX_AUTOSCALING_INTERVAL_SECONDS:
-        raise SpecError(f"spec.autoscaling.interval: {text!r} must be between 1s and 1h")
-    return seconds
-
-
-# spec.router.admissionTimeout and writeTimeout (writeTimeout 0s: never cut a client).
-MIN_ROUTER_TIMEOUT_SECONDS = 1.0
-MAX_ROUTER_TIMEOUT_SECONDS = 3600.0
-
-
-def router_timeout(data: dict[str, Any], key: str, default: str, off_allowed: bool) -> float:
-    """spec.router.<key> in seconds, between 1s and 1h (or 0 where `off_allowed`)."""
-    name = f"spec.router.{key}"
-    text = data.get(key, default)
-    seconds = parse_duration(text, name, allow_zero=off_allowed)
-    if seconds == 0:
-        return 0.0
-    if not MIN_ROUTER_TIMEOUT_SECONDS <= seconds <= MAX_ROUTER_TIMEOUT_SECONDS:
-        off = " (or 0s: never)" if off_allowed else ""
-        raise SpecError(f"{name}: {text!r} must be between 1s and 1h{off}")
-    return seconds
+    return duration_within(autoscaling.get("interval", "15s"), "spec.autoscaling.interval")
 
 
 def parse_quantity(value: int | float | str, field_name: str) -> int:
@@ -271,11 +260,11 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
                 f"{path}.reasoningParser: {thinking!r} is not one of {', '.join(REASONING_PARSERS)}"
             )
         settings["reasoningParser"] = thinking
-        settings["admissionTimeoutSeconds"] = router_timeout(
-            data, "admissionTimeout", "30s", off_allowed=False
+        settings["admissionTimeoutSeconds"] = duration_within(
+            data.get("admissionTimeout", "30s"), f"{path}.admissionTimeout"
         )
-        settings["writeTimeoutSeconds"] = router_timeout(
-            data, "writeTimeout", "60s", off_allowed=True
+        settings["writeTimeoutSeconds"] = duration_within(
+            data.get("writeTimeout", "60s"), f"{path}.writeTimeout", off_allowed=True
         )
         secret = data.get("apiKeySecret")
         if secret is not None:

@@ -81,10 +81,15 @@ CONFIG_SECTIONS = {
 CURRENT_CONFIG_MAPS = len(set(CONFIG_SECTIONS.values()))
 
 
-def component_config(config: ServingConfig, component: str) -> str:
-    """The config.yaml of one component: the sections it reads (CONFIG_SECTIONS)."""
+def component_configs(config: ServingConfig) -> dict[str, str]:
+    """Each component's config.yaml: the sections it reads (CONFIG_SECTIONS), rendered once
+    per distinct list of sections."""
     data = config.to_dict()
-    return yaml.safe_dump({k: data[k] for k in CONFIG_SECTIONS[component]}, sort_keys=True)
+    texts = {
+        sections: yaml.safe_dump({k: data[k] for k in sections}, sort_keys=True)
+        for sections in set(CONFIG_SECTIONS.values())
+    }
+    return {component: texts[sections] for component, sections in CONFIG_SECTIONS.items()}
 
 
 def config_hash(text: str) -> str:

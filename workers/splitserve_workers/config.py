@@ -23,6 +23,11 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+def flag_or(flag: Any, configured: Any) -> Any:
+    """A command-line flag given (0 and empty included) wins over the config file's value."""
+    return configured if flag is None else flag
+
+
 @dataclass
 class ModelSettings:
     path: str = ""  # local Hugging Face-format directory

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import grpc
 from prometheus_client import CollectorRegistry
 
-from splitserve_workers.config import ConfigError, ServingConfig
+from splitserve_workers.config import ConfigError, ServingConfig, flag_or
 from splitserve_workers.kv_transfer import kv_channel_options, model_fingerprint, model_spec
 from splitserve_workers.proto import serving_pb2
 from splitserve_workers.worker_http import WorkerMetricsUpdater, WorkerStatus, start_http
@@ -116,29 +116,26 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
     else:
         port, kv_bytes = cfg.decode.port, cfg.decode.kv_cache_memory_bytes
 
-    def pick(flag: Any, default: Any) -> Any:
-        return default if flag is None else flag
-
     settings = WorkerSettings(
         role=role,
         model_dir=str(model_dir),
         model_name=cfg.model.name or Path(model_dir).name,
         service=cfg.service,
-        device=pick(args.device, cfg.model.device),
-        dtype=pick(args.dtype, cfg.model.dtype),
+        device=flag_or(args.device, cfg.model.device),
+        dtype=flag_or(args.dtype, cfg.model.dtype),
         host=args.host,
-        port=pick(args.port, port),
+        port=flag_or(args.port, port),
         metrics_port=args.metrics_port,
-        max_batch_tokens=pick(args.max_batch_tokens, cfg.prefill.max_batch_tokens),
-        max_batch_size=pick(args.max_batch_size, cfg.decode.max_batch_size),
-        kv_cache_memory_bytes=pick(args.kv_cache_memory, kv_bytes),
+        max_batch_tokens=flag_or(args.max_batch_tokens, cfg.prefill.max_batch_tokens),
+        max_batch_size=flag_or(args.max_batch_size, cfg.decode.max_batch_size),
+        kv_cache_memory_bytes=flag_or(args.kv_cache_memory, kv_bytes),
         num_kv_blocks=args.num_kv_blocks,
-        block_size=pick(args.block_size, cfg.decode.block_size),
-        max_model_len=pick(args.max_model_len, cfg.model.max_model_len),
+        block_size=flag_or(args.block_size, cfg.decode.block_size),
+        max_model_len=flag_or(args.max_model_len, cfg.model.max_model_len),
         drain_timeout_s=args.drain_timeout,
-        lease_s=pick(args.lease_seconds, cfg.decode.reservation_lease_seconds),
+        lease_s=flag_or(args.lease_seconds, cfg.decode.reservation_lease_seconds),
         threads=args.threads,
-        speculative_tokens=pick(args.speculative_tokens, cfg.decode.speculative_tokens),
+        speculative_tokens=flag_or(args.speculative_tokens, cfg.decode.speculative_tokens),
         kv_send_after_prefill=getattr(args, "kv_send_after_prefill", False),
     )
     for name in ("max_batch_tokens", "max_batch_size", "block_size", "kv_cache_memory_bytes"):

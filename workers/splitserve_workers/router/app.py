@@ -32,7 +32,7 @@ from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from splitserve_workers import http_errors
-from splitserve_workers.config import ConfigError, ServingConfig
+from splitserve_workers.config import ConfigError, ServingConfig, flag_or
 from splitserve_workers.engine.tokenizer import NoChatTemplate
 from splitserve_workers.http_errors import QuietErrorHandler
 from splitserve_workers.metrics import RouterMetrics, router_metrics
@@ -1398,11 +1398,6 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"{name}: {value} is below the minimum {minimum}")
 
 
-def _flag_or(flag: float | None, configured: float) -> float:
-    """A flag given on the command line (0 included) wins over the config file."""
-    return configured if flag is None else flag
-
-
 def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
     """Flags over --config -> the router's options and port; raises ConfigError naming the field."""
     check_flags(args)
@@ -1471,14 +1466,12 @@ def options_from_args(args: argparse.Namespace) -> tuple[RouterOptions, int]:
         max_request_bytes=args.max_request_bytes or rs.max_request_bytes,
         poll_interval=args.poll_interval,
         flow=FlowSettings(
-            admission_timeout_seconds=_flag_or(
-                args.admission_timeout, rs.admission_timeout_seconds
-            ),
+            admission_timeout_seconds=flag_or(args.admission_timeout, rs.admission_timeout_seconds),
             empty_pool_wait_seconds=args.empty_pool_wait,
             decode_kv_reuse=rs.decode_kv_reuse and not args.no_decode_kv_reuse,
         ),
         drain_timeout=args.drain_timeout,
-        write_timeout=_flag_or(args.write_timeout, rs.write_timeout_seconds),
+        write_timeout=flag_or(args.write_timeout, rs.write_timeout_seconds),
         ready_without_workers=args.ready_without_workers,
         debug_endpoints=args.debug_endpoints,
         log_requests=bool(args.log_requests or rs.log_requests),
