@@ -4,8 +4,10 @@ Measures prefill and decode tokens/s at several batch sizes (greedy, fixed promp
 lengths, the same torch thread count for both; decode = batch / median step time), prints a
 table and writes bench/results/engine.json. Run: python bench/engine.py [--model DIR].
 Without --model it writes the `small` preset (~58M parameters) into a temporary directory.
-Extra "serving" rows (`serving_rows`) time whole workloads of requests with mixed prompt and
-output lengths end to end and count only the tokens each request asked for.
+Each dtype in --dtypes (default float32 and bfloat16) is its own comparison: both sides load
+the same files in that dtype; rows carry a "dtype" field. Extra "serving" rows (`serving_rows`)
+time whole workloads of requests with mixed prompt and output lengths end to end and count only
+the tokens each request asked for.
 """
 
 from __future__ import annotations
@@ -81,18 +83,22 @@ def reference(
 
 def gemm_floor(engine: LLMEngine, batch: int, reps: int = 10) -> list[float]:
     """Seconds of only the matrix multiplies of one decode step at `batch` rows, `reps` times, run
-    through the engine's own weights (q|k|v, o, gate|up, down per layer, then the output
-    projection). transformers computes the same products (q, k, v and gate, up as separate
-    GEMMs, the output projection untransposed), so its step time divided by this bounds what an
-    engine calling torch's default fp32 GEMMs could beat it by at this batch size; a faster GEMM
-    kernel or weight layout (docs/engine.md: oneDNN prepacking) would raise the bound."""
+    through the engine's own weights and kernels (q|k|v, o, gate|up, down per layer, then the
+    output projection; oneDNN-prepacked in bfloat16 where the engine packs them). transformers
+    computes the same products (q, k, v and gate, up as separate GEMMs), so its step time
+    divided by this bounds what an engine using these GEMM kernels could beat it by at this
+    batch size; a faster kernel or weight layout would raise the bound."""
     model = engine.model
-    x = torch.randn(batch, model.config.hidden_size)
+    dt = engine.dtype
+    x = torch.randn(batch, model.config.hidden_size, dtype=dt)
     calls: list[tuple[torch.nn.Module, torch.Tensor]] = []  # (linear, an input of its width)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        calls += [(attn.qkv_proj, x), (attn.o_proj, torch.randn(batch, attn.q_size))]
-        calls += [(mlp.gate_up_proj, x), (mlp.down_proj, torch.randn(batch, mlp.intermediate_size))]
+        calls += [(attn.qkv_proj, x), (attn.o_proj, torch.randn(batch, attn.q_size, dtype=dt))]
+        calls += [
+            (mlp.gate_up_proj, x),
+            (mlp.down_proj, torch.randn(batch, mlp.intermediate_size, dtype=dt)),
+        ]
 
     def step() -> None:
         for linear, inp in calls:
@@ -164,6 +170,106 @@ def reference_serving(
     return time.perf_counter() - started, got
 
 
+def cpu_name() -> str:
+    """The CPU model and whether it has bfloat16 instructions: bf16 rows depend on both."""
+    from splitserve_workers.engine.layers.linear import cpu_native_bf16
+
+    name = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} (native bfloat16: {'yes' if cpu_native_bf16() else 'no'})"
+
+
+def bench_dtype(
+    engine: LLMEngine, hf: torch.nn.Module, dtype: str, batches: list[int], args: argparse.Namespace
+) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """(rows, serving_rows) for one dtype: both implementations loaded in it from the same files."""
+    vocab = engine.tokenizer.vocab_size
+    mc = engine.model_config
+    print(f"{dtype}: model {mc.architecture} layers={mc.num_layers} hidden={mc.hidden_size} "
+          f"params={mc.num_params() / 1e6:.1f}M threads={args.threads} "
+          f"prompt={args.prompt_len} new_tokens={args.new_tokens}")  # fmt: skip
+
+    # Warm up both (allocator, kernels) on a small batch.
+    warm = prompts_for(2, args.prompt_len, vocab, salt=99)
+    ours(engine, warm, 4)
+    reference(hf, warm, 4)
+    del warm
+
+    # The machine may be shared: alternate the two implementations, keep the best prefill of
+    # --reps runs and the median decode step, so bursts of other work do not decide the ratio.
+    rows: list[dict[str, object]] = []
+    for b in batches:
+        prefill = {"ours": 1e9, "transformers": 1e9}
+        steps: dict[str, list[float]] = {"ours": [], "transformers": []}
+        gemms: list[float] = []
+        for rep in range(args.reps):
+            prompts = prompts_for(b, args.prompt_len, vocab, salt=1000 * b + rep)
+            for name, fn in (("ours", ours), ("transformers", reference)):
+                p, s = fn(engine if name == "ours" else hf, prompts, args.new_tokens)
+                prefill[name] = min(prefill[name], p)
+                steps[name] += s
+            gemms += gemm_floor(engine, b)  # between the runs, so load bursts hit it alike
+        step = {name: statistics.median(v) for name, v in steps.items()}
+        floor = statistics.median(gemms)
+        n_prefill = b * args.prompt_len
+        rows.append({
+            "dtype": dtype, "phase": "prefill", "batch": b,
+            "ours_tokens_per_s": round(n_prefill / prefill["ours"], 2),
+            "transformers_tokens_per_s": round(n_prefill / prefill["transformers"], 2),
+            "ratio": round(prefill["transformers"] / prefill["ours"], 3),
+        })  # fmt: skip
+        rows.append({
+            "dtype": dtype, "phase": "decode", "batch": b,
+            "ours_tokens_per_s": round(b / step["ours"], 2),
+            "transformers_tokens_per_s": round(b / step["transformers"], 2),
+            "ratio": round(step["transformers"] / step["ours"], 3),
+            # The step's GEMMs alone (the engine's own weights and kernels), and transformers'
+            # step over them: the ceiling on "ratio" for an engine doing the same math with
+            # those GEMM kernels on this CPU.
+            "gemm_floor_step_s": round(floor, 5),
+            "ratio_ceiling": round(step["transformers"] / floor, 3),
+        })  # fmt: skip
+        print(f"{dtype} batch {b}: done", flush=True)
+
+    serving_rows: list[dict[str, object]] = []
+    slots = max(batches)
+    prange = tuple(int(x) for x in args.serving_prompt.split(","))
+    orange = tuple(int(x) for x in args.serving_output.split(","))
+    for n in [int(x) for x in args.serving_requests.split(",") if x]:
+        prompts, olens = serving_workload(n, prange, orange, vocab, seed=7 + n)  # type: ignore[arg-type]
+        secs: dict[str, list[float]] = {"ours": [], "transformers": []}
+        for _ in range(args.serving_reps):
+            t_ours, toks_ours = ours_serving(engine, prompts, olens)
+            t_ref, toks_ref = reference_serving(hf, prompts, olens, slots)
+            secs["ours"].append(t_ours)
+            secs["transformers"].append(t_ref)
+        # Same greedy tokens is the check that both did the same work (padding changes GEMM
+        # shapes, so a near-tie may rarely flip one argmax; more often in bfloat16).
+        same = sum(a == b for a, b in zip(toks_ours, toks_ref, strict=True))
+        t = {name: statistics.median(v) for name, v in secs.items()}
+        useful = sum(olens)
+        serving_rows.append({
+            "dtype": dtype, "phase": "serving", "batch": slots,
+            "ours_tokens_per_s": round(useful / t["ours"], 2),
+            "transformers_tokens_per_s": round(useful / t["transformers"], 2),
+            "ratio": round(t["transformers"] / t["ours"], 3),
+            "shape": f"{n} requests arriving together, {slots} at a time; prompts "
+                     f"{prange[0]}..{prange[1]} tokens, outputs {orange[0]}..{orange[1]} tokens "
+                     f"(uniform, seed {7 + n}); useful tokens = sum of requested outputs",
+            "requests": n, "useful_tokens": useful, "prompt_tokens": sum(map(len, prompts)),
+            "ours_s": round(t["ours"], 3), "transformers_s": round(t["transformers"], 3),
+            "identical_outputs": f"{same}/{n}",
+        })  # fmt: skip
+        print(f"{dtype} serving {n} requests: done ({same}/{n} identical outputs)", flush=True)
+    return rows, serving_rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", help="HF-format directory (default: write the small preset)")
@@ -181,10 +287,21 @@ def main() -> int:
     ap.add_argument("--serving-prompt", default="16,512", help="min,max prompt tokens")
     ap.add_argument("--serving-output", default="4,64", help="min,max requested new tokens")
     ap.add_argument("--serving-reps", type=int, default=1, help="runs per workload; median")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated; each is a separate comparison, both sides loading the "
+                         "same files in that dtype")  # fmt: skip
+    ap.add_argument(
+        "--no-prepack",
+        action="store_true",
+        help="the engine without oneDNN-prepacked bfloat16 weights (an ablation)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
 
+    for name in args.dtypes.split(","):
+        if name not in ("float32", "bfloat16", "float16"):
+            ap.error(f"--dtypes: {name!r} is not one of float32, bfloat16, float16")
     tmp = None
     model_dir = args.model
     if model_dir is None:
@@ -193,129 +310,75 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=model_dir,
-            device="cpu",
-            dtype="float32",
-            max_batch_size=max(batches),
-            max_batch_tokens=max(batches) * args.prompt_len,
-            kv_cache_memory_bytes=1 << 30,
-            enable_prefix_caching=False,  # fresh prompts anyway; transformers has no such cache
+    rows: list[dict[str, object]] = []
+    serving_rows: list[dict[str, object]] = []
+    kv: dict[str, dict[str, int]] = {}
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        engine = LLMEngine(
+            EngineConfig(
+                model=model_dir,
+                device="cpu",
+                dtype=dtype_name,
+                max_batch_size=max(batches),
+                max_batch_tokens=max(batches) * args.prompt_len,
+                kv_cache_memory_bytes=1 << 30,
+                enable_prefix_caching=False,  # fresh prompts anyway; transformers has none
+                cpu_weight_prepack=not args.no_prepack,
+            )
         )
-    )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    hf.eval()
-    hf.generation_config.eos_token_id = None
-    vocab = engine.tokenizer.vocab_size
-    mc = engine.model_config
-    print(f"model {mc.architecture} layers={mc.num_layers} hidden={mc.hidden_size} "
-          f"params={mc.num_params() / 1e6:.1f}M threads={args.threads} "
-          f"prompt={args.prompt_len} new_tokens={args.new_tokens}")  # fmt: skip
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        hf.eval()
+        hf.generation_config.eos_token_id = None
+        got = bench_dtype(engine, hf, dtype_name, batches, args)
+        rows += got[0]
+        serving_rows += got[1]
+        cache = engine.model_runner.kv_cache
+        mc = engine.model_config
+        kv[dtype_name] = {
+            "measured": cache.numel()
+            * cache.element_size()
+            // (engine.num_kv_blocks * engine.block_size),
+            "formula": 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * cache.element_size(),
+        }
+        params = mc.num_params()
+        del engine, hf
 
-    # Warm up both (allocator, kernels) on a small batch.
-    warm = prompts_for(2, args.prompt_len, vocab, salt=99)
-    ours(engine, warm, 4)
-    reference(hf, warm, 4)
-    del warm
-
-    # The machine may be shared: alternate the two implementations, keep the best prefill of
-    # --reps runs and the median decode step, so bursts of other work do not decide the ratio.
-    rows = []
-    for b in batches:
-        prefill = {"ours": 1e9, "transformers": 1e9}
-        steps: dict[str, list[float]] = {"ours": [], "transformers": []}
-        gemms: list[float] = []
-        for rep in range(args.reps):
-            prompts = prompts_for(b, args.prompt_len, vocab, salt=1000 * b + rep)
-            for name, fn in (("ours", ours), ("transformers", reference)):
-                p, s = fn(engine if name == "ours" else hf, prompts, args.new_tokens)
-                prefill[name] = min(prefill[name], p)
-                steps[name] += s
-            gemms += gemm_floor(engine, b)  # between the runs, so load bursts hit it alike
-        step = {name: statistics.median(v) for name, v in steps.items()}
-        floor = statistics.median(gemms)
-        n_prefill = b * args.prompt_len
-        rows.append({
-            "phase": "prefill", "batch": b,
-            "ours_tokens_per_s": round(n_prefill / prefill["ours"], 2),
-            "transformers_tokens_per_s": round(n_prefill / prefill["transformers"], 2),
-            "ratio": round(prefill["transformers"] / prefill["ours"], 3),
-        })  # fmt: skip
-        rows.append({
-            "phase": "decode", "batch": b,
-            "ours_tokens_per_s": round(b / step["ours"], 2),
-            "transformers_tokens_per_s": round(b / step["transformers"], 2),
-            "ratio": round(step["transformers"] / step["ours"], 3),
-            # The step's fp32 GEMMs alone, and transformers' step over them: the ceiling on
-            # "ratio" for an engine doing the same math with torch's default GEMMs on this CPU.
-            "gemm_floor_step_s": round(floor, 5),
-            "ratio_ceiling": round(step["transformers"] / floor, 3),
-        })  # fmt: skip
-        print(f"batch {b}: done", flush=True)
-
-    serving_rows = []
-    slots = max(batches)
-    prange = tuple(int(x) for x in args.serving_prompt.split(","))
-    orange = tuple(int(x) for x in args.serving_output.split(","))
-    for n in [int(x) for x in args.serving_requests.split(",") if x]:
-        prompts, olens = serving_workload(n, prange, orange, vocab, seed=7 + n)  # type: ignore[arg-type]
-        secs: dict[str, list[float]] = {"ours": [], "transformers": []}
-        for _ in range(args.serving_reps):
-            t_ours, toks_ours = ours_serving(engine, prompts, olens)
-            t_ref, toks_ref = reference_serving(hf, prompts, olens, slots)
-            secs["ours"].append(t_ours)
-            secs["transformers"].append(t_ref)
-        # Same greedy tokens is the check that both did the same work (padding changes GEMM
-        # shapes, so an fp32 near-tie may rarely flip one argmax).
-        same = sum(a == b for a, b in zip(toks_ours, toks_ref, strict=True))
-        t = {name: statistics.median(v) for name, v in secs.items()}
-        useful = sum(olens)
-        serving_rows.append({
-            "phase": "serving", "batch": slots,
-            "ours_tokens_per_s": round(useful / t["ours"], 2),
-            "transformers_tokens_per_s": round(useful / t["transformers"], 2),
-            "ratio": round(t["transformers"] / t["ours"], 3),
-            "shape": f"{n} requests arriving together, {slots} at a time; prompts "
-                     f"{prange[0]}..{prange[1]} tokens, outputs {orange[0]}..{orange[1]} tokens "
-                     f"(uniform, seed {7 + n}); useful tokens = sum of requested outputs",
-            "requests": n, "useful_tokens": useful, "prompt_tokens": sum(map(len, prompts)),
-            "ours_s": round(t["ours"], 3), "transformers_s": round(t["transformers"], 3),
-            "identical_outputs": f"{same}/{n}",
-        })  # fmt: skip
-        print(f"serving {n} requests: done ({same}/{n} identical outputs)", flush=True)
-
-    cache = engine.model_runner.kv_cache
-    measured = cache.numel() * cache.element_size() // (engine.num_kv_blocks * engine.block_size)
-    formula = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * cache.element_size()
-    print(f"{'phase':8} {'batch':>5} {'ours tok/s':>12} {'transformers':>13} {'ratio':>7}"
-          f" {'ceiling':>8}")  # fmt: skip
+    print(f"{'dtype':9} {'phase':8} {'batch':>5} {'ours tok/s':>12} {'transformers':>13}"
+          f" {'ratio':>7} {'ceiling':>8}")  # fmt: skip
     for r in rows:
         ceiling = f"{r['ratio_ceiling']:>7.2f}x" if "ratio_ceiling" in r else ""
-        print(f"{r['phase']:8} {r['batch']:>5} {r['ours_tokens_per_s']:>12.1f} "
+        print(f"{r['dtype']:9} {r['phase']:8} {r['batch']:>5} {r['ours_tokens_per_s']:>12.1f} "
               f"{r['transformers_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}x {ceiling}")  # fmt: skip
-    print("ceiling: transformers' decode step / the same step's fp32 GEMMs alone (the most an "
-          "engine doing this math with torch's default GEMMs could reach)")  # fmt: skip
+    print("ceiling: transformers' decode step / the matrix multiplies of the same step alone, "
+          "run through the engine's own weights (the most an engine doing this math with "
+          "these GEMM kernels could reach)")  # fmt: skip
     if serving_rows:
         print("extra: serving workloads, whole run, useful generated tokens/s "
               "(only the tokens each request asked for; prefill time included)")  # fmt: skip
-        print(f"{'requests':>8} {'batch':>5} {'ours tok/s':>12} {'transformers':>13} {'ratio':>7}"
-              f"  shape")  # fmt: skip
+        print(f"{'dtype':9} {'requests':>8} {'batch':>5} {'ours tok/s':>12} {'transformers':>13}"
+              f" {'ratio':>7}  shape")  # fmt: skip
         for r in serving_rows:
-            print(f"{r['requests']:>8} {r['batch']:>5} {r['ours_tokens_per_s']:>12.1f} "
-                  f"{r['transformers_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}x  "
-                  f"prompts {prange[0]}..{prange[1]}, "
-                  f"outputs {orange[0]}..{orange[1]}")  # fmt: skip
-    print(f"KV bytes/token: {measured} (formula 2 x layers x kv_heads x head_dim x bytes = "
-          f"{formula})")  # fmt: skip
+            print(f"{r['dtype']:9} {r['requests']:>8} {r['batch']:>5} "
+                  f"{r['ours_tokens_per_s']:>12.1f} {r['transformers_tokens_per_s']:>13.1f} "
+                  f"{r['ratio']:>6.2f}x  prompts {args.serving_prompt.replace(',', '..')}, "
+                  f"outputs {args.serving_output.replace(',', '..')}")  # fmt: skip
+    for name, k in kv.items():
+        print(f"KV bytes/token, {name}: {k['measured']} (formula 2 x layers x kv_heads x "
+              f"head_dim x bytes = {k['formula']})")  # fmt: skip
+    first = next(iter(kv.values()))
     result = {
         "rows": rows,
-        "kv_bytes_per_token": measured,
-        "kv_bytes_per_token_formula": formula,
+        # The first dtype's (float32 by default), as earlier runs reported it; every dtype's in
+        # kv_bytes_per_token_by_dtype.
+        "kv_bytes_per_token": first["measured"],
+        "kv_bytes_per_token_formula": first["formula"],
+        "kv_bytes_per_token_by_dtype": kv,
         "serving_rows": serving_rows,
         "setup": {
             "model": "small" if args.model is None else Path(model_dir).name,
-            "params": mc.num_params(), "threads": args.threads, "dtype": "float32",
+            "params": params, "threads": args.threads, "dtypes": args.dtypes.split(","),
+            "cpu_weight_prepack": not args.no_prepack, "cpu": cpu_name(),
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps,
             "torch": torch.__version__,
         },

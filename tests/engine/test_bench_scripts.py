@@ -58,7 +58,12 @@ def test_engine_benchmark_runs(tiny_llama: Path, tmp_path: Path) -> None:
     )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     # The shape the issue asks every run to have, so runs can be compared.
-    assert {(r["phase"], r["batch"]) for r in rows} >= {("prefill", 1), ("decode", 4)}
+    assert {(r["dtype"], r["phase"], r["batch"]) for r in rows} >= {
+        (dtype, phase, batch)
+        for dtype in ("float32", "bfloat16")
+        for phase in ("prefill", "decode")
+        for batch in (1, 4)
+    }
     for r in rows:
         assert {"ours_tokens_per_s", "transformers_tokens_per_s", "ratio"} <= r.keys()
 

@@ -16,9 +16,9 @@ MAX_NGRAM = 16
 @dataclass
 class EngineConfig:
     model: str  # HF-format directory
-    dtype: str = (
-        "auto"  # auto|float32|bfloat16|float16 (auto: config torch_dtype on cuda, fp32 on cpu)
-    )
+    # auto|float32|bfloat16|float16. auto: the config's torch_dtype on CUDA; on CPU bfloat16 for
+    # a bfloat16 checkpoint when the CPU has bfloat16 instructions, else float32.
+    dtype: str = "auto"
     device: str = "auto"  # auto|cpu|cuda|cuda:N
     block_size: int = 16
     kv_cache_memory_bytes: int = 256 << 20  # sizes num_kv_blocks
@@ -37,6 +37,9 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 3
+    # Addition: on CPU in bfloat16, hold the weights in oneDNN's prepacked layout
+    # (layers/linear.py) when this torch build supports it. Off: plain torch matmuls.
+    cpu_weight_prepack: bool = True
 
     def validate(self) -> None:
         if not self.model:

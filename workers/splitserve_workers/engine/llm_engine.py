@@ -35,6 +35,7 @@ import torch
 from splitserve_workers.engine.block_manager import BlockManager
 from splitserve_workers.engine.config import EngineConfig
 from splitserve_workers.engine.grammar import GrammarError, Grammars, executor
+from splitserve_workers.engine.layers.linear import cpu_native_bf16
 from splitserve_workers.engine.loader import load_model
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.model_runner import ModelRunner
@@ -110,6 +111,10 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
+        # A bfloat16 checkpoint stays bfloat16 where the CPU has bfloat16 instructions (half
+        # the memory, ~2x the matmul rate of float32 there); otherwise float32.
+        if model_config.torch_dtype == "bfloat16" and cpu_native_bf16():
+            return torch.bfloat16
         return torch.float32
     return _DTYPES.get(model_config.torch_dtype, torch.bfloat16)
 
@@ -132,7 +137,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
         self.grammars = Grammars(self.tokenizer.to_json(), mc.vocab_size, list(self.eos_token_ids))
-        self.model = load_model(config.model, mc, self.dtype, self.device)
+        self.model = load_model(
+            config.model, mc, self.dtype, self.device, prepack=config.cpu_weight_prepack
+        )
         self.block_size = config.block_size
         per_block = self.block_size * self.kv_bytes_per_token()
         self.num_kv_blocks = config.num_kv_blocks or max(

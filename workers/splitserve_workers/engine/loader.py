@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve_workers.engine.layers.linear import prepack_supported
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.models.llama import LlamaForCausalLM
 
@@ -46,8 +47,14 @@ def _shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    prepack: bool = True,
 ) -> LlamaForCausalLM:
+    """The model in `model_dir` on `device`, ready to run. prepack: on CPU in bfloat16, hold the
+    projections in oneDNN's layout when this torch build supports it (layers/linear.py)."""
     from safetensors import safe_open  # here: the model code itself needs only torch
 
     model_dir = Path(model_dir)
@@ -108,7 +115,9 @@ def load_model(
             + (" ..." if len(missing) > 8 else "")
         )
     model.init_rotary(device)
-    if device.type == "cpu":
+    if prepack and prepack_supported(device, dtype):
+        model.prepack_weights()
+    elif device.type == "cpu":
         model.transpose_logits_weight()
     model.eval()
     return model

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve_workers.engine.layers.attention import AttentionMetadata, paged_attention
+from splitserve_workers.engine.layers.linear import PackedLinear, prepack_linears
 from splitserve_workers.engine.layers.rmsnorm import RMSNorm
 from splitserve_workers.engine.layers.rope import RotaryEmbedding, apply_rotary
 from splitserve_workers.engine.model_config import ModelConfig
@@ -106,6 +107,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         # [hidden, vocab] copy of the output projection, used instead of it when set.
         self.logits_weight_t: torch.Tensor | None = None
+        # The output projection prepacked for oneDNN (prepack_weights), used when set.
+        self.logits_head: PackedLinear | None = None
 
     def init_rotary(self, device: torch.device) -> None:
         # Built after the weights are materialised (the module may start on the meta device).
@@ -146,7 +149,17 @@ class LlamaForCausalLM(nn.Module):
         self.logits_weight_t = weight.detach().t().contiguous()
         self.lm_head = None  # compute_logits uses the transposed copy from now on
 
+    def prepack_weights(self) -> None:
+        """Prepack every projection and the output projection for oneDNN (layers/linear.py;
+        CPU bfloat16 only). The embedding table stays as it is, also when tied."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.logits_head = PackedLinear(weight, None)
+        self.lm_head = None
+        prepack_linears(self.layers)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         if self.logits_weight_t is not None:
             return torch.matmul(hidden, self.logits_weight_t).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
