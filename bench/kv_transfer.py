@@ -51,17 +51,17 @@ class BenchEngine:
     one KV cache allocated (and touched) at startup, which import_kv copies into; transfers run
     one at a time here, so every reservation may use the same region."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_mb: int) -> None:
         self.model_config = SimpleNamespace(
             num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, max_model_len=1 << 20
         )
         self.dtype = torch.bfloat16
         self.block_size = 16
         self.num_kv_blocks = 1 << 20
-        max_tokens = ((max(PAYLOADS_MB) << 20) // BYTES_PER_TOKEN) + 1
+        max_tokens = ((max_mb << 20) // BYTES_PER_TOKEN) + 1
         self._cache = torch.zeros(LAYERS, 2, max_tokens, HEADS, HEAD_DIM, dtype=self.dtype)
 
-    def reserve(self, request_id: str, n: int, prompt: Any = None) -> bool:
+    def reserve(self, request_id: str, n: int, prompt: Any = None, priority: Any = None) -> bool:
         return n <= self._cache.shape[2]
 
     def reserved_cached_tokens(self, request_id: str) -> int:
@@ -85,9 +85,9 @@ class BenchEngine:
         return SimpleNamespace(free_blocks=self.num_kv_blocks)
 
 
-def socket_server(sock: socket.socket) -> None:
+def socket_server(sock: socket.socket, max_mb: int) -> None:
     """Receives `<8-byte length><payload>` into a preallocated buffer, acks with one byte."""
-    buffer = memoryview(bytearray((max(PAYLOADS_MB) + 1) << 20))
+    buffer = memoryview(bytearray((max_mb + 1) << 20))
     while True:
         conn, _ = sock.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -107,7 +107,7 @@ def socket_server(sock: socket.socket) -> None:
                 conn.sendall(b"k")
 
 
-def receiver_main(ports: Any) -> None:
+def receiver_main(ports: Any, max_mb: int) -> None:
     torch.set_num_threads(1)
     import grpc
     from splitserve_workers.decode_worker import DecodeRole
@@ -115,11 +115,11 @@ def receiver_main(ports: Any) -> None:
     from splitserve_workers.proto import serving_pb2 as pb
 
     sock = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=socket_server, args=(sock,), daemon=True).start()
+    threading.Thread(target=socket_server, args=(sock, max_mb), daemon=True).start()
 
     async def serve() -> None:
         worker = SimpleNamespace(
-            engine=BenchEngine(),
+            engine=BenchEngine(max_mb),
             loop=None,
             settings=SimpleNamespace(lease_s=120.0),
             metrics=SimpleNamespace(rejected=lambda reason: None),
@@ -262,7 +262,7 @@ def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[d
     keep_large_buffers_in_heap()  # as PrefillRole does (the receiver's DecodeRole does too)
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    proc = ctx.Process(target=receiver_main, args=(ports,), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(ports, max(payloads_mb)), daemon=True)
     proc.start()
     grpc_port, sock_port = ports.get(timeout=120)
     endpoint = f"127.0.0.1:{grpc_port}"
@@ -330,9 +330,16 @@ def main() -> int:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hiding", action="store_true")
+    ap.add_argument("--payloads-mb", help="comma-separated payload sizes in MB (default: "
+                    + ",".join(map(str, PAYLOADS_MB)) + ")")  # fmt: skip
+    ap.add_argument("--hiding-tokens", type=int, default=2048, help="the long prompt's tokens")
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    payloads = [p for p in PAYLOADS_MB if not args.quick or p <= 64]
+    chosen = [int(x) for x in args.payloads_mb.split(",")] if args.payloads_mb else PAYLOADS_MB
+    if any(p < 1 for p in chosen):
+        ap.error(f"--payloads-mb: sizes must be >= 1, got {args.payloads_mb}")
+    payloads = [p for p in chosen if not args.quick or p <= 64]
     repeats = 1 if args.quick else args.repeats
     print(f"KV of an 8B-shaped model ({BYTES_PER_TOKEN // 1024} KiB/token), loopback, "
           f"{args.chunk_mib} MiB messages, median of {repeats} "
@@ -340,10 +347,11 @@ def main() -> int:
     rows = throughput(payloads, repeats, args.chunk_mib << 20)
     result: dict[str, Any] = {"rows": rows}
     if not args.skip_hiding:
-        result.update(hiding())
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+        result.update(hiding(args.hiding_tokens))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The benchmarks still run end to end on the tiny model: engine.py, the two that drive the
 engine's internals (speculative.py's stand-in drafter, structured.py's timed grammar hook),
-which engine changes broke twice unseen until someone ran `make bench`, and the three that
-start local stacks (serve.py, prefix_routing.py, priority.py). Their numbers are not checked
+which engine changes broke twice unseen until someone ran `make bench`, the three that
+start local stacks (serve.py, prefix_routing.py, priority.py), and kv_transfer.py (real
+processes, its own stand-in decode engine). Their numbers are not checked
 here: benchmarks measure, tests do not; every request must succeed."""
 
 from __future__ import annotations
@@ -94,3 +95,19 @@ def test_stack_benchmarks_run(tiny_llama: Path, tmp_path: Path) -> None:
         for flood in ("none", "background", "interactive"):
             assert (r[flood]["probes"], r[flood]["probes_failed"]) == (4, 0), (mode, flood, r)
             assert r[flood]["flood_failed"] == 0, (mode, flood, r)
+
+
+@pytest.mark.slow
+def test_kv_transfer_benchmark_runs(tmp_path: Path) -> None:
+    """Its receiver drives the real DecodeRole with a stand-in engine, which had fallen behind
+    the engine interface twice (Reserve's priority, the whole-cache check) unseen."""
+    out = tmp_path / "kv_transfer.json"
+    run_bench(
+        "kv_transfer.py", "--payloads-mb", "1,4", "--repeats", "1", "--hiding-tokens", "128",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [r["payload_bytes"] for r in result["rows"]] == [1 << 20, 4 << 20]
+    for r in result["rows"]:
+        assert {"grpc_bytes_per_s", "socket_bytes_per_s", "ratio"} <= r.keys()
+    assert 0.0 <= result["hidden_fraction"] <= 1.0

@@ -153,7 +153,7 @@ class DecodeRole:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"num_prompt_tokens: {n} must be in [1, {max_len}] (max_model_len)",
             )
-        need, total = self.engine.block_manager.blocks_for(n + 1), self.engine.num_kv_blocks
+        need, total = -(-(n + 1) // self.engine.block_size), self.engine.num_kv_blocks
         if need > total:
             # Never free, however long the caller waits: refused like a prompt over the limit
             # (the router's 400), not "no_free_blocks" (which it retries until its timeout).
