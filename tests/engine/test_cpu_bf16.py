@@ -228,3 +228,29 @@ def test_auto_dtype_on_cpu(tmp_path: Path, checkpoint: str) -> None:
     else:
         assert engine.dtype == torch.float32
     assert engine.model_runner.kv_cache.dtype == engine.dtype
+
+
+def test_bf16_kv_handoff_decodes_like_local(
+    bf16_llama: Path, prompt_ids: Callable[..., list[int]]
+) -> None:
+    """Prefill on one bfloat16 engine, its KV streamed into another (paged differently), decode
+    there: the tokens one engine gives, as in float32 (test_disaggregation.py)."""
+    from test_disaggregation import KVCollector, decode_on, run
+
+    def make(**kw: object) -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(model=str(bf16_llama), device="cpu", dtype="bfloat16", **kw)  # type: ignore[arg-type]
+        )
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    local = make()
+    prompt = prompt_ids(local, 29)
+    expected = local.generate([prompt], params)[0]
+    a = make()
+    collector = KVCollector(a.model_config.num_layers, len(prompt))
+    a.add_request("r1", prompt, params, prefill_only=True, on_kv=collector)
+    outs = run(a)
+    assert outs[0].finish_reason == "prefill_done"
+    assert all(k.dtype == torch.bfloat16 for _, _, k, _ in collector.chunks)
+    b = make(block_size=8)
+    assert decode_on(b, "r1", prompt, outs[0].token_id, collector.chunks, params) == expected
