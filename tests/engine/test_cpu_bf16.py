@@ -254,3 +254,35 @@ def test_bf16_kv_handoff_decodes_like_local(
     assert all(k.dtype == torch.bfloat16 for _, _, k, _ in collector.chunks)
     b = make(block_size=8)
     assert decode_on(b, "r1", prompt, outs[0].token_id, collector.chunks, params) == expected
+
+
+def test_prepack_frees_the_original_weights_first(bf16_llama: Path) -> None:
+    """While the projections are prepacked nothing of the loader's still holds the originals:
+    each one is freed as its packed copy is made, so loading peaks at one copy of the weights
+    plus one matrix, not two copies."""
+    if not cpu_native_bf16():
+        return  # nothing is packed on this CPU
+    import gc
+    import weakref
+
+    from splitserve_workers.engine.loader import load_model
+    from splitserve_workers.engine.model_config import ModelConfig
+    from splitserve_workers.engine.models.llama import LlamaForCausalLM
+
+    alive_after: list[int] = []
+    prepack = LlamaForCausalLM.prepack_weights
+
+    def watched(self: LlamaForCausalLM) -> None:
+        refs = [weakref.ref(m.weight) for m in self.modules() if isinstance(m, nn.Linear)]
+        assert refs
+        prepack(self)
+        gc.collect()
+        alive_after.append(sum(r() is not None for r in refs))
+
+    LlamaForCausalLM.prepack_weights = watched  # type: ignore[method-assign]
+    try:
+        cfg = ModelConfig.from_dir(bf16_llama)
+        load_model(bf16_llama, cfg, torch.bfloat16, torch.device("cpu"))
+    finally:
+        LlamaForCausalLM.prepack_weights = prepack  # type: ignore[method-assign]
+    assert alive_after == [0]

@@ -65,6 +65,8 @@ def load_model(
     loaded: set[str] = set()
     # Fused parameters are complete only when all their shards arrived.
     fused_seen: dict[str, set[int]] = {}
+    param: torch.Tensor | None = None  # the last weight copied into (deleted below)
+    dst: torch.Tensor | None = None
 
     load_device = "cpu" if device.type == "cpu" else str(device)
     for path in safetensors_files(model_dir):
@@ -115,6 +117,10 @@ def load_model(
             + (" ..." if len(missing) > 8 else "")
         )
     model.init_rotary(device)
+    # Nothing here may hold a weight past this point: prepacking (and transpose_logits_weight)
+    # replaces them, and a reference left here kept every original alive next to its packed
+    # copy until load_model returned, doubling the weights' peak memory.
+    del params, param, dst
     if prepack and prepack_supported(device, dtype):
         model.prepack_weights()
     elif device.type == "cpu":
