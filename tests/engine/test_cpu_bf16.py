@@ -1,7 +1,7 @@
-"""bfloat16 on CPU: prepacked projections (layers/linear.py), the batched-matmul decode attention
-(layers/attention.py decode_attention_bmm) and the "auto" dtype. Each path is checked against
-an independent computation; where this CPU lacks bfloat16 instructions the tests check the
-fallback instead (plain nn.Linear, float32 under "auto")."""
+"""bfloat16 on CPU: prepacked projections (layers/linear.py), paged decode attention and the
+"auto" dtype. Each path is checked against an independent computation; where this CPU lacks
+bfloat16 instructions the tests check the fallback instead (plain nn.Linear, float32 under
+"auto")."""
 
 from __future__ import annotations
 
@@ -12,11 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from splitserve_workers.engine import EngineConfig, LLMEngine, SamplingParams
-from splitserve_workers.engine.layers.attention import (
-    AttentionMetadata,
-    decode_attention_bmm,
-    paged_attention,
-)
+from splitserve_workers.engine.layers.attention import AttentionMetadata, paged_attention
 from splitserve_workers.engine.layers.linear import (
     PackedLinear,
     cpu_native_bf16,
@@ -53,8 +49,28 @@ def reference_decode_attention(
     return out.reshape(B, H * D)
 
 
+def decode_in_place(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    contexts: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention for one new token per sequence whose K/V are already in the cache at
+    its last position (written again unchanged)."""
+    kvH, bs, D = k_cache.shape[2], k_cache.shape[1], k_cache.shape[3]
+    assert meta.block_tables is not None
+    last = torch.tensor(contexts) - 1
+    slots = meta.block_tables.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
+    meta.slot_mapping = slots
+    k = k_cache.reshape(-1, kvH, D)[slots].clone()
+    v = v_cache.reshape(-1, kvH, D)[slots].clone()
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
 @pytest.mark.parametrize("equal_contexts", [True, False])
-def test_decode_attention_bmm_matches_float64(equal_contexts: bool) -> None:
+def test_bf16_decode_attention_matches_float64(equal_contexts: bool) -> None:
     g = torch.Generator().manual_seed(7)
     B, H, kvH, D, bs = 5, 8, 2, 16, 4
     contexts = [13] * B if equal_contexts else [13, 1, 7, 12, 4]
@@ -78,17 +94,17 @@ def test_decode_attention_bmm_matches_float64(equal_contexts: bool) -> None:
             B, 1, 1, L
         )
     want = reference_decode_attention(q, k_cache, v_cache, ids, contexts, scale)
-    got = decode_attention_bmm(q, k_cache, v_cache, meta, scale)
+    got = decode_in_place(q, k_cache, v_cache, meta, contexts, scale)
     assert got.dtype == torch.bfloat16 and got.shape == (B, H * D)
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
-    # A sliding window is just another mask to this path.
+    # A sliding window is just another mask to the decode path.
     window = 5
     ctx_t = torch.tensor(contexts)
     kj = torch.arange(L)[None, :]
     meta.attn_mask = ((kj < ctx_t[:, None]) & (kj >= ctx_t[:, None] - window)).view(B, 1, 1, L)
     want = reference_decode_attention(q, k_cache, v_cache, ids, contexts, scale, window)
-    got = decode_attention_bmm(q, k_cache, v_cache, meta, scale)
+    got = decode_in_place(q, k_cache, v_cache, meta, contexts, scale)
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
 
@@ -190,9 +206,8 @@ def test_bf16_engine_prepacked_equals_plain(
 def test_bf16_decode_logits_match_bf16_prefill(
     bf16_llama: Path, prompt_ids: Callable[..., list[int]]
 ) -> None:
-    """Each bfloat16 decode step's logits (batched matmul attention over the paged cache)
-    against a fresh prefill of the same tokens (SDPA over fresh K/V): the two paths share no
-    attention code."""
+    """Each bfloat16 decode step's logits (attention over the gathered paged cache) against a
+    fresh prefill of the same tokens (causal attention over fresh K/V, no gather)."""
     engine = LLMEngine(EngineConfig(model=str(bf16_llama), device="cpu", dtype="bfloat16"))
     seen: list[torch.Tensor] = []
     run_decode = engine.model_runner.run_decode
@@ -235,7 +250,7 @@ def test_bf16_kv_handoff_decodes_like_local(
 ) -> None:
     """Prefill on one bfloat16 engine, its KV streamed into another (paged differently), decode
     there: the tokens one engine gives, as in float32 (test_disaggregation.py)."""
-    from test_disaggregation import KVCollector, decode_on, run
+    from test_disaggregation import decode_on, prefill_elsewhere
 
     def make(**kw: object) -> LLMEngine:
         return LLMEngine(
@@ -246,14 +261,11 @@ def test_bf16_kv_handoff_decodes_like_local(
     local = make()
     prompt = prompt_ids(local, 29)
     expected = local.generate([prompt], params)[0]
-    a = make()
-    collector = KVCollector(a.model_config.num_layers, len(prompt))
-    a.add_request("r1", prompt, params, prefill_only=True, on_kv=collector)
-    outs = run(a)
-    assert outs[0].finish_reason == "prefill_done"
+    first, collector = prefill_elsewhere(make(), "r1", prompt, params)
+    assert first.finish_reason == "prefill_done"
     assert all(k.dtype == torch.bfloat16 for _, _, k, _ in collector.chunks)
     b = make(block_size=8)
-    assert decode_on(b, "r1", prompt, outs[0].token_id, collector.chunks, params) == expected
+    assert decode_on(b, "r1", prompt, first.token_id, collector.chunks, params) == expected
 
 
 def test_prepack_frees_the_original_weights_first(bf16_llama: Path) -> None:

@@ -30,6 +30,16 @@ def run(engine: LLMEngine) -> list[TokenOutput]:
     return outs
 
 
+def prefill_elsewhere(
+    engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> tuple[TokenOutput, KVCollector]:
+    """Prefill only on `engine`, collecting the streamed KV: (its one output, the collector)."""
+    collector = KVCollector(engine.model_config.num_layers, len(prompt))
+    engine.add_request(rid, prompt, params, prefill_only=True, on_kv=collector)
+    (first,) = run(engine)
+    return first, collector
+
+
 def decode_on(engine: LLMEngine, rid: str, prompt: list[int], first: int,
               chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]],
               params: SamplingParams) -> list[int]:  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 from splitserve_workers.engine import LLMEngine, SamplingParams
 from splitserve_workers.engine import grammar as G
 from structured_schemas import PERSON, check_person
-from test_disaggregation import KVCollector, decode_on, run
+from test_disaggregation import KVCollector, decode_on, prefill_elsewhere, run
 
 
 def finished(engine: LLMEngine) -> dict[str, tuple[list[int], str | None]]:
@@ -136,10 +136,7 @@ def test_disaggregated_constrained_decode_equals_local(
         local = make_engine()
         prompt = prompt_ids(local, 21)
         expected = local.generate([prompt], params)[0]
-        a = make_engine()
-        collector = KVCollector(a.model_config.num_layers, len(prompt))
-        a.add_request("r1", prompt, params, prefill_only=True, on_kv=collector)
-        (first,) = run(a)
+        first, collector = prefill_elsewhere(make_engine(), "r1", prompt, params)
         assert first.finish_reason == "prefill_done"
         b = make_engine(block_size=8)
         got = decode_on(b, "r1", prompt, first.token_id, collector.chunks, params)

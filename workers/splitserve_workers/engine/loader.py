@@ -55,18 +55,31 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The model in `model_dir` on `device`, ready to run. prepack: on CPU in bfloat16, hold the
     projections in oneDNN's layout when this torch build supports it (layers/linear.py)."""
-    from safetensors import safe_open  # here: the model code itself needs only torch
-
-    model_dir = Path(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, dtype)
     model.to_empty(device=device)
+    _copy_weights(model, Path(model_dir), cfg, device)
+    model.init_rotary(device)
+    # _copy_weights has returned, so nothing of the loading holds a weight: prepacking (and
+    # transpose_logits_weight) frees each original as it makes the copy that replaces it.
+    if prepack and prepack_supported(device, dtype):
+        model.prepack_weights()
+    elif device.type == "cpu":
+        model.transpose_logits_weight()
+    model.eval()
+    return model
+
+
+def _copy_weights(
+    model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig, device: torch.device
+) -> None:
+    """Every checkpoint tensor into the model's (materialised) parameters, fusing shards."""
+    from safetensors import safe_open  # here: the model code itself needs only torch
+
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     # Fused parameters are complete only when all their shards arrived.
     fused_seen: dict[str, set[int]] = {}
-    param: torch.Tensor | None = None  # the last weight copied into (deleted below)
-    dst: torch.Tensor | None = None
 
     load_device = "cpu" if device.type == "cpu" else str(device)
     for path in safetensors_files(model_dir):
@@ -116,17 +129,6 @@ def load_model(
             f"model directory {str(model_dir)!r} is missing weights: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
-    model.init_rotary(device)
-    # Nothing here may hold a weight past this point: prepacking (and transpose_logits_weight)
-    # replaces them, and a reference left here kept every original alive next to its packed
-    # copy until load_model returned, doubling the weights' peak memory.
-    del params, param, dst
-    if prepack and prepack_supported(device, dtype):
-        model.prepack_weights()
-    elif device.type == "cpu":
-        model.transpose_logits_weight()
-    model.eval()
-    return model
 
 
 def _checkpoint_names(target: str, shards_seen: set[int]) -> list[str]:

@@ -5,9 +5,8 @@ then each sequence's context is gathered from its block table in one indexing op
 for the whole batch and attended with SDPA. Sequences of different lengths are padded to the
 longest one with a boolean mask; sliding-window layers use a second mask that also hides keys
 a window or more behind the query (`windowed`). GQA is handled by folding the query-head
-groups into the query-length axis, so K/V are never repeated per head. Decode steps in
-bfloat16 on CPU use two batched matmuls instead of SDPA (decode_attention_bmm). model_runner.py
-builds the metadata.
+groups into the query-length axis, so K/V are never repeated per head. model_runner.py builds
+the metadata.
 """
 
 from __future__ import annotations
@@ -19,11 +18,6 @@ import torch.nn.functional as F
 
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
-# decode_attention_bmm is ~7% faster per bfloat16 CPU decode step than SDPA, but bmm rounds the
-# scores to bfloat16 before the float32 softmax: with scores of 15-30 (trained models' attention
-# sinks) its error is ~10x SDPA's, which keeps them in float32. Off until it can keep float32
-# scores at the same speed.
-DECODE_BMM = False
 
 
 @dataclass
@@ -102,14 +96,6 @@ def paged_attention(
         return out.transpose(1, 2).reshape(T, H * D)
 
     assert meta.block_tables is not None
-    if (
-        DECODE_BMM
-        and Q == 1
-        and meta.pad_index is None
-        and q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-    ):
-        return decode_attention_bmm(q, k_cache, v_cache, meta, scale)
     # One gather per layer for the whole batch: [B * blocks, bs, kvH, D] -> [B, L, kvH, D].
     # index_select on flat block ids is ~10x cheaper than advanced indexing on CPU.
     flat = meta.block_tables.view(-1)
@@ -133,40 +119,3 @@ def paged_attention(
     if meta.pad_index is not None:
         out = out.index_select(0, meta.pad_index)
     return out
-
-
-def decode_attention_bmm(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Attention for one new token per sequence in bfloat16 on CPU; returns [B, heads * head_dim].
-
-    Each sequence's context is gathered as in paged_attention, then laid out head-major
-    ([kv_heads, B, L, D], one copy) so that every (kv head, sequence) pair is one contiguous
-    matrix and attention is two batched matmuls, the softmax in float32. torch's CPU flash
-    kernel is built for long queries: with one query row in bfloat16 it made a batch-32 decode
-    step ~7% slower than this (docs/engine.md, Benchmarks). In float32 the SDPA path is the
-    faster one and stays."""
-    B, H, D = q.shape
-    kvH = k_cache.shape[2]
-    G = H // kvH
-    L = meta.kv_len
-    assert meta.block_tables is not None
-    flat = meta.block_tables.view(-1)
-
-    def head_major(cache: torch.Tensor) -> torch.Tensor:
-        gathered = cache.index_select(0, flat).view(B, -1, kvH, D)[:, :L]
-        return gathered.permute(2, 0, 1, 3).reshape(kvH * B, L, D)
-
-    kc, vc = head_major(k_cache), head_major(v_cache)
-    qh = q.view(B, kvH, G, D).transpose(0, 1).reshape(kvH * B, G, D)
-    scores = torch.bmm(qh, kc.transpose(1, 2)).float().mul_(scale)  # [kvH * B, G, L]
-    if meta.attn_mask is not None:  # [B, 1, 1, L], True = attend
-        keep = meta.attn_mask.view(1, B, 1, L)
-        scores = scores.view(kvH, B, G, L).masked_fill(~keep, -torch.inf).view(kvH * B, G, L)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.bmm(probs, vc)  # [kvH * B, G, D]
-    return out.view(kvH, B, G * D).transpose(0, 1).reshape(B, H * D)

@@ -50,9 +50,7 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
+        flat = x.reshape(-1, self.in_features).contiguous()  # a no-op for the model's inputs
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -60,13 +58,10 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-def prepack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` with a PackedLinear; returns how many."""
-    count = 0
+def prepack_linears(module: nn.Module) -> None:
+    """Replace every nn.Linear under `module` with a PackedLinear."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             setattr(module, name, PackedLinear.from_linear(child))
-            count += 1
         else:
-            count += prepack_linears(child)
-    return count
+            prepack_linears(child)
