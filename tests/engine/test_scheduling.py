@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from splitserve_workers.engine import LLMEngine, Priority, SamplingParams, TokenOutput
-from splitserve_workers.engine.sampling import GREEDY_BELOW
+from splitserve_workers.engine.sampling import GREEDY_BELOW, argmax_rows
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -191,6 +191,25 @@ def test_vanishing_temperature_is_greedy_and_spares_the_batch(
     tiny = SamplingParams(temperature=1e-40, seed=7, max_tokens=6, ignore_eos=True)
     assert engine.generate(prompts, [greedy, tiny]) == expected
     assert SamplingParams(temperature=GREEDY_BELOW).greedy is False
+
+
+def test_greedy_argmax_is_torchs_on_ties_nan_and_inf() -> None:
+    # The CPU path goes through numpy; it must pick what torch.argmax picks in every case.
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(33, 32000, generator=g)
+    rows[0, [5, 77, 31999]] = 50.0  # a three-way tie: the first wins
+    rows[1, [9, 4000]] = float("nan")  # the first NaN wins, as in torch
+    rows[2] = float("-inf")  # nothing allowed: index 0
+    rows[3, :] = 0.0
+    rows[3, 123] = float("inf")
+    rows[4] = torch.arange(32000, dtype=torch.float32).flip(0)  # the maximum at index 0
+    strided = rows.t().contiguous().t()  # the same values, column-major
+    expected = torch.argmax(rows, dim=-1).tolist()
+    assert expected[:5] == [5, 9, 0, 123, 0]
+    assert argmax_rows(rows) == expected
+    assert argmax_rows(strided) == expected
+    assert argmax_rows(rows[:1]) == expected[:1]
+    assert argmax_rows(rows.to(torch.float64)) == expected  # not float32: torch's own
 
 
 def test_logprobs(

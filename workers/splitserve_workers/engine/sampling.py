@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from splitserve_workers.engine.grammar import MAX_GRAMMAR_BYTES
@@ -260,6 +261,16 @@ def adjust_logits(
     return out
 
 
+def argmax_rows(scores: torch.Tensor) -> list[int]:
+    """Each row's argmax: the first index on ties, and the first NaN where there is one, as
+    torch.argmax. On CPU through numpy, whose vectorised kernel took 0.14 ms for a [32, 32000]
+    float32 batch where torch's CPU argmax took 1.3 ms (6% of a batch-32 bfloat16 decode step;
+    amax-then-compare, topk and max were all slower than numpy too)."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32:
+        return np.argmax(scores.numpy(), axis=-1).tolist()
+    return torch.argmax(scores, dim=-1).tolist()
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, words] int32 bitmasks (bit t % 32 of word t // 32 set: token t allowed, as
     llguidance writes them) -> [rows, vocab] bool, on the bitmask's device."""
@@ -295,7 +306,7 @@ def sample(
         mask = unpack_bitmask(bitmask.to(scores.device, non_blocking=True), scores.shape[-1])
         masked = scores.index_select(0, index).masked_fill(~mask, float("-inf"))
         scores.index_copy_(0, index, masked)
-    tokens = torch.argmax(scores, dim=-1).tolist()
+    tokens = argmax_rows(scores)
     for i, p in enumerate(params):
         if not p.greedy:
             tokens[i] = _sample_row(scores[i], p, generators[i])
