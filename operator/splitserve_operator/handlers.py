@@ -15,6 +15,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from typing import Any, cast
 
 import kopf
@@ -56,7 +57,12 @@ class Operator:
         self.config = config
         self._served: dict[tuple[str, tuple[str, ...]], tuple[float, bool]] = {}
         self._lock = threading.Lock()
-        self._reconciling: dict[tuple[str, str], threading.RLock] = {}
+        # Per (namespace, name): held while reconciling or repairing. Weak values: a lock goes
+        # once nobody holds it, so names created and deleted for months do not pile up (a
+        # deleted LLMService's children, collected after it, still take its lock to repair).
+        self._reconciling: weakref.WeakValueDictionary[tuple[str, str], Any] = (
+            weakref.WeakValueDictionary()
+        )
         # Per LLMService uid and reason: the last Warning posted and when.
         self._warned: dict[tuple[str, str], tuple[str, float]] = {}
         # Per (namespace, name): the apply fault of the last reconcile, (reason, message), so a
@@ -119,11 +125,22 @@ class Operator:
     def keda_available(self) -> bool:
         return self._serves(SCALED_OBJECT[0], (SCALED_OBJECTS_PLURAL,))
 
-    def _serialized(self, namespace: str, name: str) -> threading.RLock:
+    def _serialized(self, namespace: str, name: str) -> Any:
         """One lock per LLMService: kopf serializes its own handlers per object, but a repair
-        runs in the handler of a child, so it must not interleave with them."""
+        runs in the handler of a child, so it must not interleave with them. The caller's
+        reference keeps it alive while in use."""
         with self._lock:
-            return self._reconciling.setdefault((namespace, name), threading.RLock())
+            lock = self._reconciling.get((namespace, name))
+            if lock is None:
+                lock = self._reconciling[(namespace, name)] = threading.RLock()
+            return lock
+
+    def forget(self, namespace: str, name: str, uid: str) -> None:
+        """Drop what was kept about a deleted LLMService: its last apply fault and when its
+        failed config collection was last logged (its Warnings age out by themselves)."""
+        with self._lock:
+            self._faults.pop((namespace, name), None)
+            self._collect_failed.pop(uid, None)
 
     def reconcile(
         self,
@@ -548,6 +565,7 @@ def register(registry: kopf.OperatorRegistry, operator: Operator) -> None:
 
     def on_delete(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         # Children carry owner references: the garbage collector deletes them.
+        operator.forget(body.meta["namespace"], body.meta["name"], str(body.meta.get("uid")))
         logger.info("deleted; children are garbage-collected through their owner references")
 
     scaler = Scaler(

@@ -5,6 +5,8 @@ real server-side apply and deletion semantics are exercised in test_operator_clu
 from __future__ import annotations
 
 import copy
+import gc
+import threading
 from typing import Any
 
 import kopf
@@ -266,6 +268,39 @@ def test_a_lasting_warning_is_posted_once_per_repeat_period(
     operator._settled(body)
     operator.warn(body, "ApplyFailed", "HTTP 422: another fault")
     assert len(posted) == 6
+
+
+def test_per_service_state_does_not_outlive_the_service() -> None:
+    # An operator that has seen thousands of LLMServices come and go keeps nothing for them:
+    # the per-service lock lives only while someone holds it, and deletion drops the rest.
+    operator = Operator(RecordingKube(), OperatorConfig())  # type: ignore[arg-type]
+    held = operator._serialized("ns", "chat")
+    entered = threading.Event()
+
+    def repair() -> None:  # a child's repair while a reconcile holds the service's lock
+        with operator._serialized("ns", "chat"):
+            entered.set()
+
+    with held:
+        assert operator._serialized("ns", "chat") is held  # one lock per service while in use
+        t = threading.Thread(target=repair)
+        t.start()
+        assert not entered.wait(0.2)  # serialized behind the reconcile
+    t.join(5)
+    assert entered.is_set()
+    assert operator._serialized("ns", "other") is not held
+    for i in range(100):
+        with operator._serialized("ns", f"svc-{i}"):
+            pass
+    del held
+    gc.collect()
+    assert len(operator._reconciling) == 0
+    operator._faults[("ns", "chat")] = ("ApplyFailed", "HTTP 422")
+    operator._faults[("ns", "other")] = ("ApplyFailed", "HTTP 422")
+    operator._collect_failed["u1"] = 1.0
+    operator.forget("ns", "chat", "u1")
+    assert operator._faults == {("ns", "other"): ("ApplyFailed", "HTTP 422")}
+    assert operator._collect_failed == {}
 
 
 def test_its_own_orphans_are_adopted_and_strangers_are_not() -> None:
