@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from splitserve_workers.engine import EngineConfig, LLMEngine, SamplingParams
+from splitserve_workers.engine.layers import cpu_decode_attention
 from splitserve_workers.engine.make_model import write_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -295,6 +296,12 @@ def main() -> int:
         action="store_true",
         help="the engine without oneDNN-prepacked bfloat16 weights (an ablation)",
     )
+    ap.add_argument(
+        "--no-decode-kernel",
+        action="store_true",
+        help="the engine's torch decode attention (gather + SDPA) instead of its C kernel "
+        "(an ablation)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -325,11 +332,17 @@ def main() -> int:
                 kv_cache_memory_bytes=1 << 30,
                 enable_prefix_caching=False,  # fresh prompts anyway; transformers has none
                 cpu_weight_prepack=not args.no_prepack,
+                cpu_decode_kernel=not args.no_decode_kernel,
             )
         )
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         hf.eval()
         hf.generation_config.eos_token_id = None
+        # What decode attention ran: the C kernel, or the torch path and why.
+        decode_kernel = cpu_decode_attention.status()
+        if engine.model_runner.decode_kernel is None:
+            why = "--no-decode-kernel" if args.no_decode_kernel else decode_kernel
+            decode_kernel = f"off: {why}"
         got = bench_dtype(engine, hf, dtype_name, batches, args)
         rows += got[0]
         serving_rows += got[1]
@@ -379,6 +392,7 @@ def main() -> int:
             "model": "small" if args.model is None else Path(model_dir).name,
             "params": params, "threads": args.threads, "dtypes": args.dtypes.split(","),
             "cpu_weight_prepack": not args.no_prepack, "cpu": cpu_name(),
+            "cpu_decode_kernel": decode_kernel,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps,
             "torch": torch.__version__,
         },

@@ -40,6 +40,10 @@ class EngineConfig:
     # Addition: on CPU in bfloat16, hold the weights in oneDNN's prepacked layout
     # (layers/linear.py) when this torch build supports it. Off: plain torch matmuls.
     cpu_weight_prepack: bool = True
+    # Addition: on CPU, decode attention reads the KV block pool in place with a small C kernel
+    # built on first use (layers/cpu_decode_attention.c; needs a C compiler, else the torch
+    # path runs). Off: gather + SDPA.
+    cpu_decode_kernel: bool = True
 
     def validate(self) -> None:
         if not self.model:

@@ -150,8 +150,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager, mc.max_model_len)
         self.model_runner = ModelRunner(
-            self.model, mc, self.dtype, self.device, self.num_kv_blocks, self.block_size
-        )
+            self.model, mc, self.dtype, self.device, self.num_kv_blocks, self.block_size,
+            cpu_decode_kernel=config.cpu_decode_kernel,
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._seqs: dict[str, Sequence] = {}  # every request not finished (incl. not yet queued)
         self._pending_add: list[Sequence] = []

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Sequence_
 
 import torch
 
+from splitserve_workers.engine.layers import cpu_decode_attention
 from splitserve_workers.engine.layers.attention import AttentionMetadata
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.models.llama import KVHook, LlamaForCausalLM
@@ -27,6 +28,7 @@ class ModelRunner:
         device: torch.device,
         num_blocks: int,
         block_size: int,
+        cpu_decode_kernel: bool = True,
     ) -> None:
         self.model = model
         self.cfg = model_config
@@ -42,6 +44,16 @@ class ModelRunner:
             model_config.head_dim,
             dtype=dtype,
             device=device,
+        )
+        # Decode attention straight from the block pool on the CPU (layers/cpu_decode_attention);
+        # None: the torch path (another device, turned off, or no compiler to build it with).
+        self.decode_kernel = (
+            cpu_decode_attention.load()
+            if cpu_decode_kernel
+            and cpu_decode_attention.supports(
+                self.kv_cache[0, 0], model_config.num_heads, model_config.head_dim
+            )
+            else None
         )
 
     # ---- slot arithmetic -------------------------------------------------------------------
@@ -203,11 +215,22 @@ class ModelRunner:
             kv_len=L,
             block_tables=tables.to(self.device),
         )
+        window = self.cfg.sliding_window
+        if self.decode_kernel is not None:
+            # The kernel takes each sequence's length (and window) instead of masks.
+            meta.decode_kernel, meta.context_lens = self.decode_kernel, ctx_t
+            if window is not None and L > window:
+                meta.windowed = AttentionMetadata(
+                    meta.slot_mapping, B, 1, L, meta.block_tables,
+                    decode_kernel=self.decode_kernel, context_lens=ctx_t,
+                    window_starts=(ctx_t - window).clamp(min=0),
+                )  # fmt: skip
+            ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
+            return self.model.compute_logits(self.model(ids, last, self.kv_cache, meta))
         if any(c != L for c in ctx):
             meta.attn_mask = (
                 (torch.arange(L)[None, :] < ctx_t[:, None]).view(B, 1, 1, L).to(self.device)
             )
-        window = self.cfg.sliding_window
         if window is not None and L > window:
             kj = torch.arange(L)[None, :]
             in_window = (kj < ctx_t[:, None]) & (kj >= ctx_t[:, None] - window)

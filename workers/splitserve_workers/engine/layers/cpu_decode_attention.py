@@ -1,0 +1,221 @@
+"""The CPU decode-attention kernel (cpu_decode_attention.c): built on first use, called by
+layers/attention.py for decode passes on the CPU (one query token per sequence).
+
+The C file is compiled with the host's C compiler (`$CC`, else `cc`) for this very CPU
+(-march=native) into a cache keyed by the source, the compiler and the CPU's flags, so the
+first engine on a machine pays about a second and every later one loads the library. Where no
+compiler is found or the build fails, `load()` says why once and returns None, and attention
+stays on the torch path (a gather out of the block pool + SDPA), which computes the same thing.
+SPLITSERVE_CPU_DECODE_KERNEL=0 turns the kernel off; SPLITSERVE_KERNEL_CACHE moves the cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("splitserve.engine")
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+ABI = 1
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=gnu11", "-fPIC", "-shared"]
+COMPILE_TIMEOUT_S = 120.0
+# The kernel's own limits (SPLITSERVE_MAX_HEADS / SPLITSERVE_MAX_HEAD_DIM in the C file).
+MAX_HEADS = 256
+MAX_HEAD_DIM = 256
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_loaded: tuple[ctypes.CDLL | None, str] | None = None  # (library, how it was got or why not)
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    """SPLITSERVE_KERNEL_CACHE, else ~/.cache/splitserve/kernels, else a per-user temp dir
+    (a read-only home)."""
+    env = os.environ.get("SPLITSERVE_KERNEL_CACHE")
+    candidates = [Path(env)] if env else []
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    candidates += [
+        Path(base) / "splitserve" / "kernels",
+        Path(tempfile.gettempdir()) / f"splitserve-kernels-{os.getuid()}",
+    ]
+    for d in candidates:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise OSError(f"no writable kernel cache directory among {[str(d) for d in candidates]}")
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("SPLITSERVE_CPU_DECODE_KERNEL", "1") == "0":
+        return None, "turned off (SPLITSERVE_CPU_DECODE_KERNEL=0)"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None, "no C compiler found (set CC, or install gcc)"
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+        source = SOURCE.read_bytes()
+        key = hashlib.sha256(
+            b"\0".join([source, version.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()])
+        ).hexdigest()[:16]
+        target = _cache_dir() / f"cpu_decode_attention-{key}.so"
+        how = f"loaded {target}"
+        if not target.exists():
+            # Built beside the target and renamed into place: processes starting together on
+            # one machine never load a half-written library.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            try:
+                done = subprocess.run(
+                    [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                    capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
+                )  # fmt: skip
+                if done.returncode != 0:
+                    return None, f"{cc} failed: {done.stderr.strip()[-500:]}"
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            how = f"compiled {target}"
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"cannot build or load it: {e}"
+    if lib.splitserve_decode_attention_abi() != ABI:
+        return None, f"{target} has another ABI than this package's ({ABI})"
+    fn = lib.splitserve_decode_attention
+    fn.restype = ctypes.c_int
+    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [i32, vp, ctypes.c_float, vp, vp, vp, i64, vp, vp, i64, i64,
+                   i32, i32, i32, i32, vp, vp]  # fmt: skip
+    return lib, how
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built once per process (None: the torch path; why is logged once)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build()
+            lib, how = _loaded
+            if lib is not None:
+                log.info("CPU decode attention: kernel %s", how)
+            else:
+                log.warning("CPU decode attention: torch path, the kernel is %s", how)
+        return _loaded[0]
+
+
+def status() -> str:
+    """How the kernel was got, or why it is not used (after load())."""
+    return _loaded[1] if _loaded is not None else "not loaded yet"
+
+
+def supports(k_cache: torch.Tensor, num_heads: int, head_dim: int) -> bool:
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype in DTYPE_CODES
+        and k_cache.is_contiguous()
+        and num_heads <= MAX_HEADS
+        and head_dim <= MAX_HEAD_DIM
+    )
+
+
+def _threads_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None or _pool._max_workers < n:  # noqa: SLF001 - grown, never shrunk
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=n, thread_name_prefix="decode-attention"
+            )
+        return _pool
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    window_starts: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, H, D] (one token per sequence, the cache's dtype); k_cache/v_cache: [blocks,
+    block_size, kv_heads, D]; block_tables: [B, n] int64; context_lens: [B] int64 (keys
+    [0, len) of each sequence, its new token's included); window_starts: [B] first visible key
+    or None. Returns [B, H * D] in q's dtype. Batches of two or more are split over torch's
+    thread count (ctypes releases the GIL)."""
+    B, H, D = q.shape
+    kvH = k_cache.shape[2]
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    lens = context_lens.contiguous()
+    starts = window_starts.contiguous() if window_starts is not None else None
+    out = torch.empty(B, H, D, dtype=torch.float32)
+    scratch_len = H * int(lens.max())
+    code = DTYPE_CODES[k_cache.dtype]
+    fn = lib.splitserve_decode_attention
+
+    def run(lo: int, hi: int) -> int:
+        scratch = torch.empty(scratch_len, dtype=torch.float32)
+        return int(
+            fn(
+                code,
+                q.data_ptr(),
+                scale,
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                tables.data_ptr(),
+                tables.shape[1],
+                lens.data_ptr(),
+                None if starts is None else starts.data_ptr(),
+                lo,
+                hi,
+                H,
+                kvH,
+                D,
+                k_cache.shape[1],
+                scratch.data_ptr(),
+                out.data_ptr(),
+            )  # fmt: skip
+        )
+
+    n = min(torch.get_num_threads(), B)
+    if n <= 1:
+        codes = [run(0, B)]
+    else:
+        bounds = [B * i // n for i in range(n + 1)]
+        futures = [_threads_pool(n - 1).submit(run, bounds[i], bounds[i + 1]) for i in range(1, n)]
+        codes = [run(bounds[0], bounds[1])] + [f.result() for f in futures]
+    if any(codes):
+        raise ValueError(
+            f"cpu decode attention refused the shapes: heads {H}, kv_heads {kvH}, head_dim {D}, "
+            f"context lengths {lens.tolist()}"
+        )
+    return out.view(B, H * D).to(q.dtype)
