@@ -6,13 +6,13 @@
 # Usage (from a clone):   bash bench/gpu_engine.sh            # writes bench/results/gpu_engine.json
 # Environment knobs:      MODE=auto|files|synthetic  PROMPT_LEN=1024  DECODE_PROMPT=512
 #                         DECODE_STEPS=128  PREFILL_BATCH=8  SPEC_TOKENS=4  PYTHON=python3
-#                         OUT=path  SMOKE=1 (a tiny model on the CPU: checks the script itself,
+#                         OUT=file or folder  SMOKE=1 (a tiny model on the CPU: checks the script itself,
 #                         as the tests do, so it does not rot between GPU runs; no numbers)
 # Files mode also measures speculative decoding (engine/speculative.py, SPEC_TOKENS drafts) at
 # batch 1: how much a verify pass of 1 + k rows costs against a plain step (on a GPU at batch 1
 # both are bound by reading the weights, so nearly the same), and the effective TPOT.
 #
-# Needs: Python >= 3.11, torch with CUDA. Installs nothing. MODE=files (the default when
+# Needs: Python >= 3.11, torch with CUDA and llguidance. Installs nothing. MODE=files (the default when
 # importable) also needs safetensors, tokenizers, jinja2 and tqdm: it writes the llama-8b
 # preset with `make-model` into .models/llama-8b (16 GB, reused on later runs) and drives the
 # full LLMEngine. Without them MODE=synthetic builds the same model in GPU memory with random
@@ -46,6 +46,13 @@ DECODE_STEPS = int(env("DECODE_STEPS", "8" if SMOKE else "128"))
 PREFILL_BATCH = int(env("PREFILL_BATCH", "2" if SMOKE else "8"))
 SPEC_TOKENS = int(env("SPEC_TOKENS", "4"))
 OUT = Path(env("OUT", "bench/results/gpu_engine.json"))
+if OUT.is_dir():  # a folder to collect results in (a remote runner's output folder, say)
+    OUT = OUT / "gpu_engine.json"
+# The engine's modules import llguidance (structured output) even where no grammar is used.
+assert importlib.util.find_spec("llguidance"), (
+    "llguidance is not installed: pip install 'llguidance>=1.0,<2' (or carry its wheel, "
+    "manylinux_2_31_x86_64, abi3, no dependencies, and pip install it with --no-index)"
+)
 if MODE == "auto":
     have = all(importlib.util.find_spec(m) for m in ("safetensors", "tokenizers", "jinja2", "tqdm"))
     MODE = "files" if have else "synthetic"
