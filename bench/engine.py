@@ -338,11 +338,10 @@ def main() -> int:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         hf.eval()
         hf.generation_config.eos_token_id = None
-        # What decode attention ran: the C kernel, or the torch path and why.
-        decode_kernel = cpu_decode_attention.status()
-        if engine.model_runner.decode_kernel is None:
-            why = "--no-decode-kernel" if args.no_decode_kernel else decode_kernel
-            decode_kernel = f"off: {why}"
+        # Which decode attention ran: the C kernel, or the torch path (and why, on screen).
+        decode_kernel = engine.model_runner.decode_kernel is not None
+        if not decode_kernel and not args.no_decode_kernel:
+            print(f"decode attention on the torch path: {cpu_decode_attention.status()}")
         got = bench_dtype(engine, hf, dtype_name, batches, args)
         rows += got[0]
         serving_rows += got[1]
