@@ -198,6 +198,9 @@ def pod_template(
         "ports": container_ports(component, spec),
         "env": [
             {"name": "HOME", "value": "/tmp"},
+            # CPU workers build their decode-attention kernel here at first start (inside
+            # the pod's own /tmp, which is world-writable as every emptyDir is).
+            {"name": "SPLITSERVE_KERNEL_CACHE", "value": "/tmp/kernels"},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {

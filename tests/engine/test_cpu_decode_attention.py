@@ -193,3 +193,28 @@ print("tokens", n)
         done.stdout + done.stderr
     )
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_cache_others_can_write_is_not_used(tmp_path: Path) -> None:
+    # A library planted in a world-writable cache would run in the worker: such a directory,
+    # or one inside a world-writable directory without the sticky bit, is skipped for the next
+    # candidate (here, the per-user temp dir; the system temp dir has the sticky bit).
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    env = dict(os.environ, SPLITSERVE_KERNEL_CACHE=str(shared), XDG_CACHE_HOME=str(shared))
+    script = "from splitserve_workers.engine.layers import cpu_decode_attention as c; " \
+             "print(c._cache_dir())"  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    chosen = Path(done.stdout.strip())
+    assert shared not in (chosen, *chosen.parents)
+    assert chosen.stat().st_uid == os.getuid() and not chosen.stat().st_mode & 0o022
+    # Named explicitly (as the pods do, inside their own emptyDir), a private directory in a
+    # world-writable one is taken: the setting says whose that directory is.
+    env["SPLITSERVE_KERNEL_CACHE"] = str(shared / "kernels")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=60)  # fmt: skip
+    assert Path(done.stdout.strip()) == shared / "kernels"
+    assert (shared / "kernels").stat().st_mode & 0o777 == 0o700

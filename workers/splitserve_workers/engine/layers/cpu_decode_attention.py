@@ -51,24 +51,45 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _private(d: Path, check_parents: bool = True) -> bool:
+    """d is this user's, writable by nobody else, and (check_parents) no directory above it
+    lets others rename what is in it (group- or world-writable without the sticky bit that
+    /tmp has)."""
+    st = d.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return False
+    for parent in d.resolve().parents if check_parents else ():
+        mode = parent.stat().st_mode
+        if mode & 0o022 and not mode & 0o1000:
+            return False
+    return True
+
+
 def _cache_dir() -> Path:
     """SPLITSERVE_KERNEL_CACHE, else ~/.cache/splitserve/kernels, else a per-user temp dir
-    (a read-only home)."""
+    (a read-only home). A library loaded from it runs in this process, so one planted there by
+    another user (a shared /tmp) must never be picked up: the directory must be this user's
+    and writable by nobody else, and for the default locations no directory above it may let
+    others rename its entries. SPLITSERVE_KERNEL_CACHE is trusted above that (the pods set it
+    inside their own emptyDir, which is world-writable but the pod's alone)."""
     env = os.environ.get("SPLITSERVE_KERNEL_CACHE")
-    candidates = [Path(env)] if env else []
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    candidates = [(Path(env), True)] if env else []
     candidates += [
-        Path(base) / "splitserve" / "kernels",
-        Path(tempfile.gettempdir()) / f"splitserve-kernels-{os.getuid()}",
+        (Path(base) / "splitserve" / "kernels", False),
+        (Path(tempfile.gettempdir()) / f"splitserve-kernels-{os.getuid()}", False),
     ]
-    for d in candidates:
+    for d, explicit in candidates:
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if _private(d, check_parents=not explicit) and os.access(d, os.W_OK):
                 return d
         except OSError:
             continue
-    raise OSError(f"no writable kernel cache directory among {[str(d) for d in candidates]}")
+    raise OSError(
+        "no kernel cache directory that only this user can write among "
+        f"{[str(d) for d in candidates]}"
+    )
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
@@ -149,7 +170,9 @@ def supports(k_cache: torch.Tensor, num_heads: int, head_dim: int) -> bool:
 def _threads_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _lock:
-        if _pool is None or _pool._max_workers < n:  # noqa: SLF001 - grown, never shrunk
+        if _pool is None or _pool._max_workers < n:  # grown (torch's thread count rose)
+            if _pool is not None:
+                _pool.shutdown(wait=False)
             _pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=n, thread_name_prefix="decode-attention"
             )
@@ -173,6 +196,8 @@ def decode_attention(
     thread count (ctypes releases the GIL)."""
     B, H, D = q.shape
     kvH = k_cache.shape[2]
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cpu decode attention: q {q.dtype}, cache {k_cache.dtype}")
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = context_lens.contiguous()
