@@ -217,7 +217,7 @@ class ModelRunner:
         )
         window = self.cfg.sliding_window
         if self.decode_kernel is not None:
-            # The kernel takes each sequence's length (and window) instead of masks.
+            # The kernel takes each sequence's length (and window start) instead of masks.
             meta.decode_kernel, meta.context_lens = self.decode_kernel, ctx_t
             if window is not None and L > window:
                 meta.windowed = AttentionMetadata(
@@ -225,13 +225,11 @@ class ModelRunner:
                     decode_kernel=self.decode_kernel, context_lens=ctx_t,
                     window_starts=(ctx_t - window).clamp(min=0),
                 )  # fmt: skip
-            ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
-            return self.model.compute_logits(self.model(ids, last, self.kv_cache, meta))
-        if any(c != L for c in ctx):
+        elif any(c != L for c in ctx):
             meta.attn_mask = (
                 (torch.arange(L)[None, :] < ctx_t[:, None]).view(B, 1, 1, L).to(self.device)
             )
-        if window is not None and L > window:
+        if self.decode_kernel is None and window is not None and L > window:
             kj = torch.arange(L)[None, :]
             in_window = (kj < ctx_t[:, None]) & (kj >= ctx_t[:, None] - window)
             mask = in_window.view(B, 1, 1, L).to(self.device)
