@@ -27,6 +27,10 @@ def test_the_kernel_builds_on_this_machine() -> None:
     lib = cpu_decode_attention.load()
     assert lib is not None, cpu_decode_attention.status()
     assert lib.splitserve_decode_attention_abi() == cpu_decode_attention.ABI
+    # Loading it leaves the process's floating point alone: a library linked with -ffast-math
+    # turns on flush-to-zero at load, and every denormal in the worker would become 0.
+    assert 5e-324 * 1.0 > 0.0
+    assert (torch.tensor([1e-40]) * 1.0).item() > 0.0
 
 
 def random_pool(

@@ -29,7 +29,11 @@ log = logging.getLogger("splitserve.engine")
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 ABI = 1
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=gnu11", "-fPIC", "-shared"]
+# -ffast-math for the compile step only (vectorised expf and float reductions). Linked with it,
+# gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole process at
+# load: every float op in the worker (torch's too) would silently drop denormals.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=gnu11", "-fPIC"]
+LDFLAGS = ["-shared"]
 COMPILE_TIMEOUT_S = 120.0
 # The kernel's own limits (SPLITSERVE_MAX_HEADS / SPLITSERVE_MAX_HEAD_DIM in the C file).
 MAX_HEADS = 256
@@ -103,8 +107,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             [cc, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
         source = SOURCE.read_bytes()
+        flags = f"compile {' '.join(CFLAGS)} | link {' '.join(LDFLAGS)}".encode()
         key = hashlib.sha256(
-            b"\0".join([source, version.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()])
+            b"\0".join([source, version.encode(), flags, _cpu_flags().encode()])
         ).hexdigest()[:16]
         target = _cache_dir() / f"cpu_decode_attention-{key}.so"
         how = f"loaded {target}"
@@ -113,17 +118,22 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             # one machine never load a half-written library.
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
+            obj = tmp[: -len(".so")] + ".o"
             try:
-                done = subprocess.run(
-                    [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                    capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
-                )  # fmt: skip
-                if done.returncode != 0:
-                    return None, f"{cc} failed: {done.stderr.strip()[-500:]}"
+                for step in (
+                    [cc, *CFLAGS, "-c", "-o", obj, str(SOURCE)],
+                    [cc, *LDFLAGS, "-o", tmp, obj, "-lm"],
+                ):
+                    done = subprocess.run(
+                        step, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
+                    )
+                    if done.returncode != 0:
+                        return None, f"{cc} failed: {done.stderr.strip()[-500:]}"
                 os.replace(tmp, target)
             finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                for leftover in (tmp, obj):
+                    if os.path.exists(leftover):
+                        os.unlink(leftover)
             how = f"compiled {target}"
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
