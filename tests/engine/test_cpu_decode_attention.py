@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,9 +105,19 @@ def test_kernel_refuses_what_it_cannot_do() -> None:
         cpu_decode_attention.decode_attention(  # a window that starts past the context
             lib, q, k, k, torch.tensor([[1]]), torch.tensor([5]), torch.tensor([5]), 0.1
         )
+    with pytest.raises(ValueError, match="refused the shapes"):
+        cpu_decode_attention.decode_attention(  # longer than its block table can hold
+            lib, q, k, k, torch.tensor([[1]]), torch.tensor([17]), None, 0.1
+        )
+    with pytest.raises(ValueError, match="block_tables must be"):
+        cpu_decode_attention.decode_attention(  # int32 tables would be read as int64
+            lib, q, k, k, torch.tensor([[1]], dtype=torch.int32), torch.tensor([5]), None, 0.1
+        )
     # Not contiguous, or a head too large for the kernel: the torch path.
-    assert not cpu_decode_attention.supports(k.transpose(0, 1), 4, 64)
-    assert not cpu_decode_attention.supports(k, 4, 512)
+    assert cpu_decode_attention.supports(lib, k, 4, 64)
+    assert not cpu_decode_attention.supports(lib, k.transpose(0, 1), 4, 64)
+    assert not cpu_decode_attention.supports(lib, k, 4, 512)
+    assert not cpu_decode_attention.supports(lib, k.to(torch.int16), 4, 64)
 
 
 def test_paged_attention_takes_the_kernel_for_decode() -> None:
@@ -222,3 +233,48 @@ def test_a_cache_others_can_write_is_not_used(tmp_path: Path) -> None:
                           env=env, timeout=60)  # fmt: skip
     assert Path(done.stdout.strip()) == shared / "kernels"
     assert (shared / "kernels").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_cut_short_library_is_built_again(tmp_path: Path) -> None:
+    # A crash mid-write elsewhere, or a full disk, can leave a truncated .so under the key's
+    # name: loading it fails, so it is rebuilt once instead of disabling the kernel for good.
+    env = dict(os.environ, SPLITSERVE_KERNEL_CACHE=str(tmp_path))
+    script = (
+        "from splitserve_workers.engine.layers import cpu_decode_attention as c; "
+        "assert c.load() is not None, c.status(); print(c.status())"
+    )
+
+    def load() -> str:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env=env, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert load().startswith("compiled ")
+    assert load().startswith("loaded ")
+    (built,) = tmp_path.glob("*.so")
+    built.write_bytes(built.read_bytes()[:100])
+    assert load().endswith(" again")
+    assert load().startswith("loaded ")
+
+
+def test_pools_handed_out_stay_usable_while_others_grow() -> None:
+    # Callers asking for more threads replace the shared pool; one that was just handed the
+    # smaller pool must still be able to submit to it.
+    errors: list[BaseException] = []
+
+    def ask(n: int) -> None:
+        try:
+            pool = cpu_decode_attention._threads_pool(n)
+            assert pool.submit(lambda: n).result() == n
+        except BaseException as e:  # noqa: BLE001 - collected for the assertion below
+            errors.append(e)
+
+    for round_ in range(10):
+        base = 64 * (round_ + 1)
+        threads = [threading.Thread(target=ask, args=(base + i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []

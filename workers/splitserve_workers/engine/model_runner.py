@@ -47,11 +47,12 @@ class ModelRunner:
         )
         # Decode attention straight from the block pool on the CPU (layers/cpu_decode_attention);
         # None: the torch path (another device, turned off, or no compiler to build it with).
+        lib = cpu_decode_attention.load() if cpu_decode_kernel and device.type == "cpu" else None
         self.decode_kernel = (
-            cpu_decode_attention.load()
-            if cpu_decode_kernel
+            lib
+            if lib is not None
             and cpu_decode_attention.supports(
-                self.kv_cache[0, 0], model_config.num_heads, model_config.head_dim
+                lib, self.kv_cache[0, 0], model_config.num_heads, model_config.head_dim
             )
             else None
         )

@@ -6,9 +6,10 @@
  * and scores, softmax and the weighted sum of V stay in float32 (bf16/f16 inputs are widened
  * exactly; AVX512-BF16 dot products where the CPU has them).
  *
- * cpu_kernels.py compiles this file with the host's C compiler (-march=native) on first use and
- * calls it through ctypes (which releases the GIL, so batch slices can run on several threads).
- * No Python or torch headers: any C11 compiler will do.
+ * cpu_decode_attention.py compiles this file with the host's C compiler (-march=native) on first
+ * use and calls it through ctypes (which releases the GIL, so batch slices can run on several
+ * threads). No Python or torch headers: any C11 compiler will do (float16 caches need one with
+ * _Float16, e.g. gcc >= 12 or clang >= 15 on x86-64; without it only float16 is left out).
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,7 +23,18 @@
 
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
 
+#if defined(__FLT16_MAX__)
+#define SPLITSERVE_HAVE_F16 1
+#else
+#define SPLITSERVE_HAVE_F16 0
+#endif
+
 int splitserve_decode_attention_abi(void) { return 1; }
+
+/* Bit (1 << KV_*) set for each cache dtype this build takes. */
+int splitserve_decode_attention_dtypes(void) {
+    return (1 << KV_FLOAT32) | (1 << KV_BFLOAT16) | (SPLITSERVE_HAVE_F16 << KV_FLOAT16);
+}
 
 static inline float from_bf16(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -53,11 +65,13 @@ static inline float dot_bf16(const uint16_t *restrict q, const uint16_t *restric
     return s;
 }
 
+#if SPLITSERVE_HAVE_F16
 static inline float dot_f16(const _Float16 *restrict q, const _Float16 *restrict k, int D) {
     float s = 0.f;
     for (int d = 0; d < D; d++) s += (float)q[d] * (float)k[d];
     return s;
 }
+#endif
 
 static inline void widen_f32(const float *restrict x, float *restrict y, int D) {
     memcpy(y, x, (size_t)D * sizeof(float));
@@ -65,9 +79,11 @@ static inline void widen_f32(const float *restrict x, float *restrict y, int D) 
 static inline void widen_bf16(const uint16_t *restrict x, float *restrict y, int D) {
     for (int d = 0; d < D; d++) y[d] = from_bf16(x[d]);
 }
+#if SPLITSERVE_HAVE_F16
 static inline void widen_f16(const _Float16 *restrict x, float *restrict y, int D) {
     for (int d = 0; d < D; d++) y[d] = (float)x[d];
 }
+#endif
 
 /* One sequence, every query head: q [H, D], visible keys [start, L) of its block table.
  * sc: H * L floats of scratch; out: [H, D] float32. */
@@ -125,11 +141,12 @@ static inline void widen_f16(const _Float16 *restrict x, float *restrict y, int 
 
 DEFINE_SEQUENCE(sequence_f32, float, dot_f32, widen_f32)
 DEFINE_SEQUENCE(sequence_bf16, uint16_t, dot_bf16, widen_bf16)
+#if SPLITSERVE_HAVE_F16
 DEFINE_SEQUENCE(sequence_f16, _Float16, dot_f16, widen_f16)
+#endif
 
 /* Sequences [b_begin, b_end) of the batch; head_dim 64 and 128 get specialised loops (the
- * constant lets the compiler unroll them). Returns 0, or -1 for shapes this file does not take
- * (the caller falls back to torch). */
+ * constant lets the compiler unroll them). */
 #define DEFINE_BATCH(NAME, T, SEQ)                                                               \
     static void NAME(const T *q, float scale, const T *kc, const T *vc, const int64_t *tables,   \
                      int64_t table_stride, const int64_t *lens, const int64_t *starts,           \
@@ -151,12 +168,16 @@ DEFINE_SEQUENCE(sequence_f16, _Float16, dot_f16, widen_f16)
 
 DEFINE_BATCH(batch_f32, float, sequence_f32)
 DEFINE_BATCH(batch_bf16, uint16_t, sequence_bf16)
+#if SPLITSERVE_HAVE_F16
 DEFINE_BATCH(batch_f16, _Float16, sequence_f16)
+#endif
 
 /* q: [B, H, D] in the cache's dtype; k_cache/v_cache: [blocks, block_size, kvH, D];
  * tables: [B, table_stride] block ids; lens: [B] context lengths (keys [0, len) exist);
  * starts: [B] first visible key (a sliding window) or NULL; scratch: H * max(lens) floats;
- * out: [B, H, D] float32. */
+ * out: [B, H, D] float32. Returns 0, or -1 for input it does not take (heads or head_dim out of
+ * range, a length its block table cannot hold, an empty window, a dtype left out of this build):
+ * the caller checks shapes and dtypes first (supports()), so -1 means a caller's bug. */
 int splitserve_decode_attention(int dtype, const void *q, float scale, const void *k_cache,
                                 const void *v_cache, const int64_t *tables, int64_t table_stride,
                                 const int64_t *lens, const int64_t *starts, int64_t b_begin,
@@ -167,7 +188,8 @@ int splitserve_decode_attention(int dtype, const void *q, float scale, const voi
         return -1;
     for (int64_t b = b_begin; b < b_end; b++) {
         int64_t s = starts ? starts[b] : 0;
-        if (lens[b] < 1 || s < 0 || s >= lens[b]) return -1;
+        if (lens[b] < 1 || lens[b] > table_stride * block_size || s < 0 || s >= lens[b])
+            return -1;
     }
     switch (dtype) {
     case KV_FLOAT32:
@@ -178,10 +200,12 @@ int splitserve_decode_attention(int dtype, const void *q, float scale, const voi
         batch_bf16(q, scale, k_cache, v_cache, tables, table_stride, lens, starts, b_begin, b_end,
                    H, kvH, D, block_size, scratch, out);
         return 0;
+#if SPLITSERVE_HAVE_F16
     case KV_FLOAT16:
         batch_f16(q, scale, k_cache, v_cache, tables, table_stride, lens, starts, b_begin, b_end,
                   H, kvH, D, block_size, scratch, out);
         return 0;
+#endif
     }
     return -1;
 }

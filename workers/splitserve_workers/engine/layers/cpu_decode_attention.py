@@ -46,13 +46,17 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _cpu_flags() -> str:
+    """What -march=native depends on: the instruction-set flags (x86 `flags`, Arm `Features`
+    and `CPU part`), so a cache shared by different machines never hands one's build to the
+    other."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        lines = []
+    keys = ("flags", "Features", "CPU implementer", "CPU part", "model name")
+    found = sorted({line.split(":", 1)[1].strip() for line in lines
+                    if ":" in line and line.split(":", 1)[0].strip() in keys})  # fmt: skip
+    return "\n".join(found) or f"{platform.machine()} {platform.processor()}"
 
 
 def _private(d: Path, check_parents: bool = True) -> bool:
@@ -62,7 +66,7 @@ def _private(d: Path, check_parents: bool = True) -> bool:
     st = d.stat()
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
         return False
-    for parent in d.resolve().parents if check_parents else ():
+    for parent in d.parents if check_parents else ():
         mode = parent.stat().st_mode
         if mode & 0o022 and not mode & 0o1000:
             return False
@@ -86,6 +90,9 @@ def _cache_dir() -> Path:
     for d, explicit in candidates:
         try:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # The real directory, checked and used from here on: a symlink another user
+            # owns could be pointed elsewhere between the check and the load.
+            d = d.resolve(strict=True)
             if _private(d, check_parents=not explicit) and os.access(d, os.W_OK):
                 return d
         except OSError:
@@ -94,6 +101,29 @@ def _cache_dir() -> Path:
         "no kernel cache directory that only this user can write among "
         f"{[str(d) for d in candidates]}"
     )
+
+
+def _compile(cc: str, target: Path) -> str | None:
+    """Builds the library at `target`; None, or why it failed. Built beside the target and
+    renamed into place: processes starting together on one machine never load a half-written
+    library."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
+    try:
+        for step in (
+            [cc, *CFLAGS, "-c", "-o", obj, str(SOURCE)],
+            [cc, *LDFLAGS, "-o", tmp, obj, "-lm"],
+        ):
+            done = subprocess.run(step, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            if done.returncode != 0:
+                return f"{cc} failed: {done.stderr.strip()[-500:]}"
+        os.replace(tmp, target)
+        return None
+    finally:
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
@@ -114,32 +144,22 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         target = _cache_dir() / f"cpu_decode_attention-{key}.so"
         how = f"loaded {target}"
         if not target.exists():
-            # Built beside the target and renamed into place: processes starting together on
-            # one machine never load a half-written library.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-            os.close(fd)
-            obj = tmp[: -len(".so")] + ".o"
-            try:
-                for step in (
-                    [cc, *CFLAGS, "-c", "-o", obj, str(SOURCE)],
-                    [cc, *LDFLAGS, "-o", tmp, obj, "-lm"],
-                ):
-                    done = subprocess.run(
-                        step, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
-                    )
-                    if done.returncode != 0:
-                        return None, f"{cc} failed: {done.stderr.strip()[-500:]}"
-                os.replace(tmp, target)
-            finally:
-                for leftover in (tmp, obj):
-                    if os.path.exists(leftover):
-                        os.unlink(leftover)
+            if error := _compile(cc, target):
+                return None, error
             how = f"compiled {target}"
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError:
+            # A library cut short (a crash mid-write elsewhere, a full disk): build it again.
+            target.unlink(missing_ok=True)
+            if error := _compile(cc, target):
+                return None, error
+            lib, how = ctypes.CDLL(str(target)), f"compiled {target} again"
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"cannot build or load it: {e}"
     if lib.splitserve_decode_attention_abi() != ABI:
         return None, f"{target} has another ABI than this package's ({ABI})"
+    lib.splitserve_decode_attention_dtypes.restype = ctypes.c_int
     fn = lib.splitserve_decode_attention
     fn.restype = ctypes.c_int
     vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -167,10 +187,13 @@ def status() -> str:
     return _loaded[1] if _loaded is not None else "not loaded yet"
 
 
-def supports(k_cache: torch.Tensor, num_heads: int, head_dim: int) -> bool:
+def supports(lib: ctypes.CDLL, k_cache: torch.Tensor, num_heads: int, head_dim: int) -> bool:
+    """Whether this kernel build takes a cache like k_cache (its dtype: a compiler without
+    _Float16 builds it without float16) and these head sizes."""
     return (
         k_cache.device.type == "cpu"
         and k_cache.dtype in DTYPE_CODES
+        and bool(lib.splitserve_decode_attention_dtypes() & (1 << DTYPE_CODES[k_cache.dtype]))
         and k_cache.is_contiguous()
         and num_heads <= MAX_HEADS
         and head_dim <= MAX_HEAD_DIM
@@ -178,13 +201,13 @@ def supports(k_cache: torch.Tensor, num_heads: int, head_dim: int) -> bool:
 
 
 def _threads_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of at least n threads. A smaller one is replaced but never shut down: another
+    caller may be about to submit to it (its idle threads end once it is collected)."""
     global _pool
     with _lock:
-        if _pool is None or _pool._max_workers < n:  # grown (torch's thread count rose)
-            if _pool is not None:
-                _pool.shutdown(wait=False)
+        if _pool is None or _pool._max_workers < n:
             _pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=n, thread_name_prefix="decode-attention"
+                max_workers=max(n, os.cpu_count() or 1), thread_name_prefix="decode-attention"
             )
         return _pool
 
@@ -206,8 +229,13 @@ def decode_attention(
     thread count (ctypes releases the GIL)."""
     B, H, D = q.shape
     kvH = k_cache.shape[2]
+    # What the C code reads without checking: dtypes, devices and row counts.
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"cpu decode attention: q {q.dtype}, cache {k_cache.dtype}")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens),
+                    ("window_starts", window_starts)):  # fmt: skip
+        if t is not None and (t.dtype != torch.int64 or t.device.type != "cpu" or t.shape[0] != B):
+            raise ValueError(f"cpu decode attention: {name} must be [{B}, ...] int64 on the CPU")
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = context_lens.contiguous()
@@ -246,7 +274,8 @@ def decode_attention(
         codes = [run(0, B)]
     else:
         bounds = [B * i // n for i in range(n + 1)]
-        futures = [_threads_pool(n - 1).submit(run, bounds[i], bounds[i + 1]) for i in range(1, n)]
+        pool = _threads_pool(n - 1)
+        futures = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, n)]
         codes = [run(bounds[0], bounds[1])] + [f.result() for f in futures]
     if any(codes):
         raise ValueError(
