@@ -85,21 +85,34 @@ static inline void widen_f16(const _Float16 *restrict x, float *restrict y, int 
 }
 #endif
 
+/* The KV of a decode step comes from memory, not cache (the weights have swept it out since
+ * the last step), and blocks are scattered over the pool, where the hardware prefetcher cannot
+ * follow: while one block is read, the next one to be read is asked for, row by row. That took
+ * a cold batch-32 layer from ~0.7 to ~0.45 ms here. */
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)p + c, 0, 3);
+}
+
 /* One sequence, every query head: q [H, D], visible keys [start, L) of its block table.
- * sc: H * L floats of scratch; out: [H, D] float32. */
+ * sc: H * L floats of scratch; out: [H, D] float32; after: the first block the next sequence
+ * will read (prefetched during the last one), or NULL. */
 #define DEFINE_SEQUENCE(NAME, T, DOT, WIDEN)                                                      \
     static inline __attribute__((always_inline)) void NAME(                                      \
         const T *restrict q, float scale, const T *restrict kc, const T *restrict vc,            \
         const int64_t *restrict table, int64_t start, int64_t L, int H, int kvH, int D, int bs,  \
-        float *restrict sc, float *restrict out) {                                               \
+        float *restrict sc, float *restrict out, const T *after) {                               \
         const int G = H / kvH;                                                                   \
-        const int64_t row = (int64_t)kvH * D;                                                    \
+        const int64_t row = (int64_t)kvH * D, row_bytes = row * (int64_t)sizeof(T);              \
+        const int64_t first = start - start % bs;                                                \
         float vf[SPLITSERVE_MAX_HEAD_DIM];                                                       \
-        for (int64_t t0 = start - start % bs; t0 < L; t0 += bs) {                                \
+        for (int64_t t0 = first; t0 < L; t0 += bs) {                                             \
             const T *kb = kc + table[t0 / bs] * bs * row;                                        \
+            const T *next = t0 + bs < L ? kc + table[t0 / bs + 1] * bs * row                     \
+                                        : vc + table[first / bs] * bs * row;                     \
             int64_t lo = start > t0 ? start - t0 : 0, hi = L - t0 < bs ? L - t0 : bs;            \
             for (int64_t o = lo; o < hi; o++) {                                                  \
                 const T *krow = kb + o * row;                                                    \
+                prefetch_row(next + o * row, row_bytes);                                         \
                 for (int h = 0; h < kvH; h++)                                                    \
                     for (int g = 0; g < G; g++) {                                                \
                         int hq = h * G + g;                                                      \
@@ -121,11 +134,13 @@ static inline void widen_f16(const _Float16 *restrict x, float *restrict y, int 
             for (int64_t t = start; t < L; t++) r[t] *= inv;                                     \
         }                                                                                        \
         for (int i = 0; i < H * D; i++) out[i] = 0.f;                                            \
-        for (int64_t t0 = start - start % bs; t0 < L; t0 += bs) {                                \
+        for (int64_t t0 = first; t0 < L; t0 += bs) {                                             \
             const T *vb = vc + table[t0 / bs] * bs * row;                                        \
+            const T *next = t0 + bs < L ? vc + table[t0 / bs + 1] * bs * row : after;            \
             int64_t lo = start > t0 ? start - t0 : 0, hi = L - t0 < bs ? L - t0 : bs;            \
             for (int64_t o = lo; o < hi; o++) {                                                  \
                 const T *vrow = vb + o * row;                                                    \
+                if (next) prefetch_row(next + o * row, row_bytes);                               \
                 for (int h = 0; h < kvH; h++) {                                                  \
                     WIDEN(vrow + h * D, vf, D);                                                  \
                     for (int g = 0; g < G; g++) {                                                \
@@ -157,12 +172,17 @@ DEFINE_SEQUENCE(sequence_f16, _Float16, dot_f16, widen_f16)
             const int64_t *tb = tables + b * table_stride;                                       \
             int64_t s = starts ? starts[b] : 0;                                                  \
             float *ob = out + b * H * D;                                                         \
+            const T *after = NULL;                                                               \
+            if (b + 1 < b_end) {                                                                 \
+                int64_t s1 = starts ? starts[b + 1] : 0;                                         \
+                after = kc + tables[(b + 1) * table_stride + s1 / bs] * bs * (int64_t)kvH * D;   \
+            }                                                                                    \
             if (D == 64)                                                                         \
-                SEQ(qb, scale, kc, vc, tb, s, lens[b], H, kvH, 64, bs, sc, ob);                  \
+                SEQ(qb, scale, kc, vc, tb, s, lens[b], H, kvH, 64, bs, sc, ob, after);           \
             else if (D == 128)                                                                   \
-                SEQ(qb, scale, kc, vc, tb, s, lens[b], H, kvH, 128, bs, sc, ob);                 \
+                SEQ(qb, scale, kc, vc, tb, s, lens[b], H, kvH, 128, bs, sc, ob, after);          \
             else                                                                                 \
-                SEQ(qb, scale, kc, vc, tb, s, lens[b], H, kvH, D, bs, sc, ob);                   \
+                SEQ(qb, scale, kc, vc, tb, s, lens[b], H, kvH, D, bs, sc, ob, after);            \
         }                                                                                        \
     }
 
