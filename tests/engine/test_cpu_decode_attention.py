@@ -68,9 +68,8 @@ def test_kernel_matches_float64(dtype: torch.dtype, H: int, kvH: int, D: int) ->
     lens = torch.tensor(contexts)
     for window in (None, 20):
         starts = None if window is None else (lens - window).clamp(min=0)
-        got = cpu_decode_attention.decode_attention(
-            lib, q, k, v, torch.tensor(tables), lens, starts, scale
-        )
+        batch = cpu_decode_attention.decode_batch(lib, torch.tensor(tables), lens, starts)
+        got = cpu_decode_attention.decode_attention(batch, q, k, v, scale)
         assert got.dtype == dtype and got.shape == (len(contexts), H * D)
         want = reference_decode_attention(q, k, v, tables, contexts, scale, window)
         tol = TOLERANCE[dtype]
@@ -84,7 +83,8 @@ def test_kernel_splits_the_batch_over_threads() -> None:
     contexts = [40, 3, 97, 16, 1, 64, 200]
     k, v, tables = random_pool(g, contexts, 2, 64, 16, torch.bfloat16)
     q = torch.randn(len(contexts), 4, 64, generator=g).bfloat16()
-    args = (lib, q, k, v, torch.tensor(tables), torch.tensor(contexts), None, 0.125)
+    batch = cpu_decode_attention.decode_batch(lib, torch.tensor(tables), torch.tensor(contexts))
+    args = (batch, q, k, v, 0.125)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -102,16 +102,18 @@ def test_kernel_refuses_what_it_cannot_do() -> None:
     k = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
     q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="refused the shapes"):
-        cpu_decode_attention.decode_attention(  # a window that starts past the context
-            lib, q, k, k, torch.tensor([[1]]), torch.tensor([5]), torch.tensor([5]), 0.1
+        batch = cpu_decode_attention.decode_batch(  # a window that starts past the context
+            lib, torch.tensor([[1]]), torch.tensor([5]), torch.tensor([5])
         )
+        cpu_decode_attention.decode_attention(batch, q, k, k, 0.1)
     with pytest.raises(ValueError, match="refused the shapes"):
-        cpu_decode_attention.decode_attention(  # longer than its block table can hold
-            lib, q, k, k, torch.tensor([[1]]), torch.tensor([17]), None, 0.1
+        batch = cpu_decode_attention.decode_batch(  # longer than its block table can hold
+            lib, torch.tensor([[1]]), torch.tensor([17])
         )
+        cpu_decode_attention.decode_attention(batch, q, k, k, 0.1)
     with pytest.raises(ValueError, match="block_tables must be"):
-        cpu_decode_attention.decode_attention(  # int32 tables would be read as int64
-            lib, q, k, k, torch.tensor([[1]], dtype=torch.int32), torch.tensor([5]), None, 0.1
+        cpu_decode_attention.decode_batch(  # int32 tables would be read as int64
+            lib, torch.tensor([[1]], dtype=torch.int32), torch.tensor([5])
         )
     # Not contiguous, or a head too large for the kernel: the torch path.
     assert cpu_decode_attention.supports(lib, k, 4, 64)
@@ -140,9 +142,9 @@ def test_paged_attention_takes_the_kernel_for_decode() -> None:
     torch_meta = AttentionMetadata(slot_mapping=slots, batch_size=B, max_q=1, kv_len=L,
                                    block_tables=tables)  # fmt: skip
     torch_meta.attn_mask = (torch.arange(L)[None, :] < lens[:, None]).view(B, 1, 1, L)
+    batch = cpu_decode_attention.decode_batch(lib, tables, lens)
     kernel_meta = AttentionMetadata(slot_mapping=slots, batch_size=B, max_q=1, kv_len=L,
-                                    block_tables=tables, decode_kernel=lib,
-                                    context_lens=lens)  # fmt: skip
+                                    block_tables=tables, cpu_decode=batch)  # fmt: skip
     via_torch = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), torch_meta, 0.125)
     via_kernel = paged_attention(q, k, v, k_cache, v_cache, kernel_meta, 0.125)
     assert torch.equal(k_cache.reshape(-1, kvH, D)[slots], k)  # written before attending

@@ -219,12 +219,14 @@ class ModelRunner:
         window = self.cfg.sliding_window
         if self.decode_kernel is not None:
             # The kernel takes each sequence's length (and window start) instead of masks.
-            meta.decode_kernel, meta.context_lens = self.decode_kernel, ctx_t
+            meta.cpu_decode = cpu_decode_attention.decode_batch(self.decode_kernel, tables, ctx_t)
             if window is not None and L > window:
+                starts = (ctx_t - window).clamp(min=0)
                 meta.windowed = AttentionMetadata(
                     meta.slot_mapping, B, 1, L, meta.block_tables,
-                    decode_kernel=self.decode_kernel, context_lens=ctx_t,
-                    window_starts=(ctx_t - window).clamp(min=0),
+                    cpu_decode=cpu_decode_attention.decode_batch(
+                        self.decode_kernel, tables, ctx_t, starts
+                    ),
                 )  # fmt: skip
         elif any(c != L for c in ctx):
             meta.attn_mask = (

@@ -12,13 +12,12 @@ could be built: it reads each sequence's blocks in place.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from splitserve_workers.engine.layers.cpu_decode_attention import decode_attention
+from splitserve_workers.engine.layers.cpu_decode_attention import DecodeBatch, decode_attention
 
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
@@ -44,12 +43,10 @@ class AttentionMetadata:
     # For the sliding-window layers, when some query is a window or more past a key it could
     # otherwise see: the same pass with the window in its mask. None: the window cuts nothing.
     windowed: AttentionMetadata | None = None
-    # Decode on the CPU with the kernel built (cpu_decode_attention.py): [B] int64 context
-    # lengths, which the kernel reads the block pool with instead of gathering; window_starts:
-    # [B] first key a sliding-window layer sees. None: the torch path.
-    decode_kernel: ctypes.CDLL | None = None
-    context_lens: torch.Tensor | None = None
-    window_starts: torch.Tensor | None = None
+    # Decode on the CPU with the kernel built (cpu_decode_attention.py): each sequence's
+    # length (and window start) with its block table, which the kernel reads the pool with
+    # instead of gathering. None: the torch path.
+    cpu_decode: DecodeBatch | None = None
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def grouped_mask(self, groups: int) -> torch.Tensor | None:
@@ -106,11 +103,8 @@ def paged_attention(
         return out.transpose(1, 2).reshape(T, H * D)
 
     assert meta.block_tables is not None
-    if meta.decode_kernel is not None and meta.context_lens is not None:
-        return decode_attention(
-            meta.decode_kernel, q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-            meta.window_starts, scale,
-        )  # fmt: skip
+    if meta.cpu_decode is not None:
+        return decode_attention(meta.cpu_decode, q, k_cache, v_cache, scale)
     # One gather per layer for the whole batch: [B * blocks, bs, kvH, D] -> [B, L, kvH, D].
     # index_select on flat block ids is ~10x cheaper than advanced indexing on CPU.
     flat = meta.block_tables.view(-1)

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -212,41 +213,64 @@ def _threads_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-def decode_attention(
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One decode pass's sequences as the kernel reads them: checked and made contiguous once
+    per pass by `decode_batch`, then read by every layer's call."""
+
+    lib: ctypes.CDLL
+    tables: torch.Tensor  # [B, n] int64 block ids
+    lens: torch.Tensor  # [B] int64 context lengths, the new token's included
+    starts: torch.Tensor | None  # [B] int64 first visible key (a sliding window), or None
+    max_len: int
+
+
+def decode_batch(
     lib: ctypes.CDLL,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-    window_starts: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """q: [B, H, D] (one token per sequence, the cache's dtype); k_cache/v_cache: [blocks,
-    block_size, kv_heads, D]; block_tables: [B, n] int64; context_lens: [B] int64 (keys
-    [0, len) of each sequence, its new token's included); window_starts: [B] first visible key
-    or None. Returns [B, H * D] in q's dtype. Batches of two or more are split over torch's
-    thread count (ctypes releases the GIL)."""
-    B, H, D = q.shape
-    kvH = k_cache.shape[2]
-    # What the C code reads without checking: dtypes, devices and row counts.
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cpu decode attention: q {q.dtype}, cache {k_cache.dtype}")
+    window_starts: torch.Tensor | None = None,
+) -> DecodeBatch:
+    """The kernel's view of a decode pass (keys [0, len) of each sequence, or [start, len)).
+    Refuses what the C code would read without checking: another dtype, device or row count."""
+    B = context_lens.shape[0]
     for name, t in (("block_tables", block_tables), ("context_lens", context_lens),
                     ("window_starts", window_starts)):  # fmt: skip
         if t is not None and (t.dtype != torch.int64 or t.device.type != "cpu" or t.shape[0] != B):
             raise ValueError(f"cpu decode attention: {name} must be [{B}, ...] int64 on the CPU")
+    return DecodeBatch(
+        lib,
+        block_tables.contiguous(),
+        context_lens.contiguous(),
+        None if window_starts is None else window_starts.contiguous(),
+        int(context_lens.max()),
+    )
+
+
+def decode_attention(
+    batch: DecodeBatch,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, H, D] (one token per sequence, the cache's dtype); k_cache/v_cache: [blocks,
+    block_size, kv_heads, D]. Returns [B, H * D] in q's dtype. Batches of two or more are split
+    over torch's thread count (ctypes releases the GIL)."""
+    B, H, D = q.shape
+    kvH = k_cache.shape[2]
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cpu decode attention: q {q.dtype}, cache {k_cache.dtype}")
+    if batch.lens.shape[0] != B:
+        raise ValueError(f"cpu decode attention: q has {B} rows, the batch {batch.lens.shape[0]}")
     q = q.contiguous()
-    tables = block_tables.contiguous()
-    lens = context_lens.contiguous()
-    starts = window_starts.contiguous() if window_starts is not None else None
+    tables, lens, starts = batch.tables, batch.lens, batch.starts
     out = torch.empty(B, H, D, dtype=torch.float32)
-    scratch_len = H * int(lens.max())
     code = DTYPE_CODES[k_cache.dtype]
-    fn = lib.splitserve_decode_attention
+    fn = batch.lib.splitserve_decode_attention
 
     def run(lo: int, hi: int) -> int:
-        scratch = torch.empty(scratch_len, dtype=torch.float32)
+        scratch = torch.empty(H * batch.max_len, dtype=torch.float32)
         return int(
             fn(
                 code,
