@@ -20,6 +20,7 @@ from splitserve_workers.kv_transfer import (
     model_fingerprint,
     parse_kv_chunk,
     slice_bytes,
+    slice_view,
     tensor_bytes,
 )
 from splitserve_workers.proto import serving_pb2 as pb
@@ -238,6 +239,31 @@ def test_slice_bytes_matches_tensor_memory(dtype: torch.dtype) -> None:
     row = HEADS * DIM * t.element_size()
     assert slice_bytes(t[2:4]) == bytes(tensor_bytes(t))[2 * row : 4 * row]
     assert slice_bytes(t[:0]) == b""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slice_view_holds_the_tensor_and_encodes_the_same_bytes(dtype: torch.dtype) -> None:
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    k, v = kv(6, dtype), kv(6, dtype)
+    want_k, want_v = bytes(tensor_bytes(k)), bytes(tensor_bytes(v))
+    held_k, held_v = slice_view(k), slice_view(v)
+    assert not isinstance(held_k, bytes)  # a whole fresh tensor is not copied
+    del k, v  # the views alone keep the memory alive
+    torch.randn(64, HEADS, DIM)  # allocations that could reuse freed memory
+    assert bytes(held_k) == want_k and bytes(held_v) == want_v
+    data = encode_kv_chunk("r", 0, 0, 6, name, [held_k], [held_v], last=True)
+    chunk = parse_kv_chunk(data)
+    assert bytes(chunk.key) == want_k and bytes(chunk.value) == want_v
+
+    # A column slice of a fused projection (like v) is made contiguous: a fresh tensor.
+    fused = torch.randn(6, 3 * HEADS * DIM).to(dtype)
+    strided = fused[:, HEADS * DIM : 2 * HEADS * DIM].view(6, HEADS, DIM)
+    assert bytes(slice_view(strided)) == bytes(tensor_bytes(strided.contiguous()))
+    # Two rows of a 40-row tensor are copied: holding them must not pin the other 38.
+    big = kv(40, dtype)
+    small = slice_view(big[3:5])
+    assert isinstance(small, bytes) and small == bytes(tensor_bytes(big[3:5].contiguous()))
+    assert slice_view(big[:0]) == b""
 
 
 def test_reservation_leases() -> None:
