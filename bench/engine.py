@@ -85,7 +85,7 @@ def reference(
 def gemm_floor(engine: LLMEngine, batch: int, reps: int = 10) -> list[float]:
     """Seconds of only the matrix multiplies of one decode step at `batch` rows, `reps` times, run
     through the engine's own weights and kernels (q|k|v, o, gate|up, down per layer, then the
-    output projection; oneDNN-prepacked in bfloat16 where the engine packs them). transformers
+    output projection; oneDNN-prepacked where the engine packs them). transformers
     computes the same products (q, k, v and gate, up as separate GEMMs), so its step time
     divided by this bounds what an engine using these GEMM kernels could beat it by at this
     batch size; a faster kernel or weight layout would raise the bound."""
@@ -294,7 +294,7 @@ def main() -> int:
     ap.add_argument(
         "--no-prepack",
         action="store_true",
-        help="the engine without oneDNN-prepacked bfloat16 weights (an ablation)",
+        help="the engine without oneDNN-prepacked weights, either dtype (an ablation)",
     )
     ap.add_argument(
         "--no-decode-kernel",
@@ -320,6 +320,7 @@ def main() -> int:
     rows: list[dict[str, object]] = []
     serving_rows: list[dict[str, object]] = []
     kv: dict[str, dict[str, int]] = {}
+    prepacked: dict[str, bool] = {}
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         engine = LLMEngine(
@@ -340,6 +341,11 @@ def main() -> int:
         hf.generation_config.eos_token_id = None
         # Which decode attention ran: the C kernel, or the torch path (and why, on screen).
         decode_kernel = engine.model_runner.decode_kernel is not None
+        # Whether this dtype's projections ran prepacked (float32: the load-time probe decides).
+        prepacked[dtype_name] = engine.model.logits_head is not None
+        print(
+            f"{dtype_name}: projections {'oneDNN-prepacked' if prepacked[dtype_name] else 'plain'}"
+        )
         if not decode_kernel and not args.no_decode_kernel:
             print(f"decode attention on the torch path: {cpu_decode_attention.status()}")
         got = bench_dtype(engine, hf, dtype_name, batches, args)
@@ -391,7 +397,7 @@ def main() -> int:
             "model": "small" if args.model is None else Path(model_dir).name,
             "params": params, "threads": args.threads, "dtypes": args.dtypes.split(","),
             "cpu_weight_prepack": not args.no_prepack, "cpu": cpu_name(),
-            "cpu_decode_kernel": decode_kernel,
+            "cpu_decode_kernel": decode_kernel, "prepacked_by_dtype": prepacked,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps,
             "torch": torch.__version__,
         },

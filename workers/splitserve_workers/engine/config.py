@@ -37,8 +37,9 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 3
-    # Addition: on CPU in bfloat16, hold the weights in oneDNN's prepacked layout
-    # (layers/linear.py) when this torch build supports it. Off: plain torch matmuls.
+    # Addition: on CPU, hold the weights in oneDNN's prepacked layout (layers/linear.py): in
+    # bfloat16 when this torch build supports it, in float32 where a load-time probe measures
+    # it faster than torch's matmul. Off: plain torch matmuls.
     cpu_weight_prepack: bool = True
     # Addition: on CPU, decode attention reads the KV block pool in place with a small C kernel
     # built on first use (layers/cpu_decode_attention.c; needs a C compiler, else the torch

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve_workers.engine.layers.linear import prepack_supported
+from splitserve_workers.engine.layers.linear import float32_prepack_pays, prepack_supported
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.models.llama import LlamaForCausalLM
 
@@ -53,8 +53,9 @@ def load_model(
     device: torch.device,
     prepack: bool = True,
 ) -> LlamaForCausalLM:
-    """The model in `model_dir` on `device`, ready to run. prepack: on CPU in bfloat16, hold the
-    projections in oneDNN's layout when this torch build supports it (layers/linear.py)."""
+    """The model in `model_dir` on `device`, ready to run. prepack: on CPU, hold the projections
+    in oneDNN's layout in bfloat16 when this torch build supports it, and in float32 when it
+    measures faster than torch's matmul on this CPU (layers/linear.py)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, dtype)
     model.to_empty(device=device)
@@ -62,7 +63,14 @@ def load_model(
     model.init_rotary(device)
     # _copy_weights has returned, so nothing of the loading holds a weight: prepacking (and
     # transpose_logits_weight) frees each original as it makes the copy that replaces it.
-    if prepack and prepack_supported(device, dtype):
+    if prepack and (
+        prepack_supported(device, dtype)
+        or (
+            device.type == "cpu"
+            and dtype == torch.float32
+            and float32_prepack_pays(model.probe_weight())
+        )
+    ):
         model.prepack_weights()
     elif device.type == "cpu":
         model.transpose_logits_weight()

@@ -149,9 +149,14 @@ class LlamaForCausalLM(nn.Module):
         self.logits_weight_t = weight.detach().t().contiguous()
         self.lm_head = None  # compute_logits uses the transposed copy from now on
 
+    def probe_weight(self) -> torch.Tensor:
+        """The largest projection of a layer (gate|up), before prepacking: what
+        float32_prepack_pays times."""
+        return cast(DecoderLayer, self.layers[0]).mlp.gate_up_proj.weight
+
     def prepack_weights(self) -> None:
         """Prepack every projection and the output projection for oneDNN (layers/linear.py;
-        CPU bfloat16 only). The embedding table stays as it is, also when tied."""
+        CPU only). The embedding table stays as it is, also when tied."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_head = PackedLinear(weight, None)
         self.lm_head = None
