@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve_workers.engine.layers.linear import float32_prepack_pays, prepack_supported
+from splitserve_workers.engine.layers.linear import prepack_pays
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.models.llama import LlamaForCausalLM
 
@@ -63,14 +63,7 @@ def load_model(
     model.init_rotary(device)
     # _copy_weights has returned, so nothing of the loading holds a weight: prepacking (and
     # transpose_logits_weight) frees each original as it makes the copy that replaces it.
-    if prepack and (
-        prepack_supported(device, dtype)
-        or (
-            device.type == "cpu"
-            and dtype == torch.float32
-            and float32_prepack_pays(model.probe_weight())
-        )
-    ):
+    if prepack and prepack_pays(device, dtype, model.probe_weight()):
         model.prepack_weights()
     elif device.type == "cpu":
         model.transpose_logits_weight()

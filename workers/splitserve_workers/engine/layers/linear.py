@@ -61,6 +61,14 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and cpu_native_bf16()
 
 
+def prepack_pays(device: torch.device, dtype: torch.dtype, probe: torch.Tensor) -> bool:
+    """Whether load_model prepacks: bfloat16 where supported (prepack_supported), float32 where
+    `float32_prepack_pays` measures it faster on `probe` (the model's largest projection)."""
+    if prepack_supported(device, dtype):
+        return True
+    return device.type == "cpu" and dtype == torch.float32 and float32_prepack_pays(probe)
+
+
 def _seconds_per_call(fn: Callable[[], object], calls: int) -> float:
     fn()  # warm
     start = time.perf_counter()
