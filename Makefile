@@ -45,7 +45,7 @@ chart-test:  ## helm lint --strict + chart rendering tests
 	  $$B/helm lint --strict charts/splitserve && $$V/bin/pytest tests/operator -k chart
 
 bench:  ## benchmarks: print tables, write bench/results/*.json
-	@V=$$(bash hack/venv.sh) && for b in engine kv_transfer serve operator testplane autoscaler prefix_routing structured speculative priority; do \
+	@V=$$(bash hack/venv.sh) && for b in engine kv_transfer kv_stages serve operator testplane autoscaler prefix_routing structured speculative priority; do \
 	  [ -f bench/$$b.py ] && $$V/bin/python bench/$$b.py; done
 
 -include hack/testplane/cluster.mk

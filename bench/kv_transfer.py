@@ -56,6 +56,8 @@ class BenchEngine:
     one at a time here, so every reservation may use the same region."""
 
     def __init__(self, max_mb: int) -> None:
+        # request id -> time.monotonic() when its last import_kv returned (bench/kv_stages.py).
+        self.imported_at: dict[str, float] = {}
         self.model_config = SimpleNamespace(
             num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, max_model_len=1 << 20
         )
@@ -78,6 +80,7 @@ class BenchEngine:
         layers, n = k.shape[0], k.shape[1]
         self._cache[layer : layer + layers, 0, start : start + n].copy_(k)
         self._cache[layer : layer + layers, 1, start : start + n].copy_(v)
+        self.imported_at[request_id] = time.monotonic()
 
     def release(self, request_id: str) -> None:
         return None
@@ -114,16 +117,30 @@ def socket_server(sock: socket.socket, max_mb: int) -> None:
 def receiver_main(ports: Any, max_mb: int) -> None:
     torch.set_num_threads(1)
     import grpc
+    from splitserve_workers import decode_worker
     from splitserve_workers.decode_worker import DecodeRole
-    from splitserve_workers.kv_transfer import kv_channel_options
+    from splitserve_workers.kv_transfer import kv_channel_options, parse_kv_chunk
     from splitserve_workers.proto import serving_pb2 as pb
+
+    # When each message reached the PushKV deserializer, i.e. gRPC had received all of it
+    # (request id -> time.monotonic() of its latest message; read by bench/kv_stages.py).
+    arrived: dict[str, float] = {}
+
+    def stamped_parse(data: bytes) -> Any:
+        t = time.monotonic()
+        chunk = parse_kv_chunk(data)
+        arrived[chunk.request_id] = t
+        return chunk
+
+    decode_worker.parse_kv_chunk = stamped_parse  # DecodeRole.register picks it up
 
     sock = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=socket_server, args=(sock, max_mb), daemon=True).start()
 
     async def serve() -> None:
+        engine = BenchEngine(max_mb)
         worker = SimpleNamespace(
-            engine=BenchEngine(max_mb),
+            engine=engine,
             loop=None,
             settings=SimpleNamespace(lease_s=120.0),
             metrics=SimpleNamespace(rejected=lambda reason: None),
@@ -151,6 +168,12 @@ def receiver_main(ports: Any, max_mb: int) -> None:
             return pb.PushKVResponse(bytes=n)
 
         # The transport ceiling: the same messages into a handler that only counts them.
+        async def stamps(request: bytes, context: Any) -> bytes:
+            rid = request.decode()
+            return json.dumps(
+                {"arrived": arrived.pop(rid, None), "imported": engine.imported_at.pop(rid, None)}
+            ).encode()
+
         server.add_generic_rpc_handlers(
             (
                 grpc.method_handlers_generic_handler(
@@ -160,7 +183,9 @@ def receiver_main(ports: Any, max_mb: int) -> None:
                             sink,
                             request_deserializer=lambda b: b,
                             response_serializer=pb.PushKVResponse.SerializeToString,
-                        )
+                        ),
+                        # One transfer's receiver-side time stamps (bench/kv_stages.py).
+                        "Stamps": grpc.unary_unary_rpc_method_handler(stamps),
                     },
                 ),
             )
@@ -182,6 +207,16 @@ def grpc_transfer(
 ) -> float:  # fmt: skip
     """One request's KV through Reserve + KVSender; returns seconds from the first on_kv call
     (the engine handing over layer 0) to decode's acknowledgement."""
+    t0, _, t1 = timed_grpc_transfer(stub, pool, endpoint, rid, n_tokens, k, v, chunk_bytes)
+    return t1 - t0
+
+
+def timed_grpc_transfer(
+    stub: Any, pool: Any, endpoint: str, rid: str, n_tokens: int, k: torch.Tensor, v: torch.Tensor,
+    chunk_bytes: int,
+) -> tuple[float, Any, float]:  # fmt: skip
+    """grpc_transfer's run: (time.monotonic() before the first on_kv, the KVSender, and when the
+    waiting thread had decode's acknowledgement)."""
     from splitserve_workers.kv_transfer import KVSender
     from splitserve_workers.proto import serving_pb2 as pb
 
@@ -193,11 +228,11 @@ def grpc_transfer(
     ).accepted
     sender = KVSender(pool, endpoint, rid, n_tokens, LAYERS, DTYPE, chunk_bytes=chunk_bytes)
     sender.start()
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     for layer in range(LAYERS):  # the engine thread, as fast as it can hand layers over
         sender.on_kv(rid, layer, 0, k, v)
     sender.future.result()
-    return time.perf_counter() - t0
+    return t0, sender, time.monotonic()
 
 
 def sender_messages(
@@ -255,25 +290,30 @@ def socket_transfer(sock: socket.socket, k: torch.Tensor, v: torch.Tensor) -> fl
     return time.perf_counter() - t0
 
 
-def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[dict[str, float]]:
-    import grpc
-    from splitserve_workers.kv_transfer import (
-        ChannelPool,
-        keep_large_buffers_in_heap,
-    )
-    from splitserve_workers.proto import serving_pb2_grpc as pbg
+def start_receiver(max_mb: int) -> tuple[Any, str, socket.socket]:
+    """The receiver process, its gRPC endpoint, and a TCP_NODELAY connection to its socket
+    server. Also sets this (sender) process's malloc thresholds, as PrefillRole does."""
+    from splitserve_workers.kv_transfer import keep_large_buffers_in_heap
 
-    keep_large_buffers_in_heap()  # as PrefillRole does (the receiver's DecodeRole does too)
+    keep_large_buffers_in_heap()  # the receiver's DecodeRole does it too
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    proc = ctx.Process(target=receiver_main, args=(ports, max(payloads_mb)), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(ports, max_mb), daemon=True)
     proc.start()
     grpc_port, sock_port = ports.get(timeout=120)
-    endpoint = f"127.0.0.1:{grpc_port}"
-    pool = ChannelPool()
-    stub = pbg.DecodeServiceStub(grpc.insecure_channel(endpoint))
     sock = socket.create_connection(("127.0.0.1", sock_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return proc, f"127.0.0.1:{grpc_port}", sock
+
+
+def throughput(payloads_mb: list[int], repeats: int, chunk_bytes: int) -> list[dict[str, float]]:
+    import grpc
+    from splitserve_workers.kv_transfer import ChannelPool
+    from splitserve_workers.proto import serving_pb2_grpc as pbg
+
+    proc, endpoint, sock = start_receiver(max(payloads_mb))
+    pool = ChannelPool()
+    stub = pbg.DecodeServiceStub(grpc.insecure_channel(endpoint))
     rows = []
     try:
         for i, mb in enumerate(payloads_mb):

@@ -1,8 +1,8 @@
 """The benchmarks still run end to end on the tiny model: engine.py, the two that drive the
 engine's internals (speculative.py's stand-in drafter, structured.py's timed grammar hook),
 which engine changes broke twice unseen until someone ran `make bench`, the three that
-start local stacks (serve.py, prefix_routing.py, priority.py), and kv_transfer.py (real
-processes, its own stand-in decode engine). Their numbers are not checked
+start local stacks (serve.py, prefix_routing.py, priority.py), and kv_transfer.py and
+kv_stages.py (real processes, their own stand-in decode engine). Their numbers are not checked
 here: benchmarks measure, tests do not; every request must succeed."""
 
 from __future__ import annotations
@@ -111,3 +111,18 @@ def test_kv_transfer_benchmark_runs(tmp_path: Path) -> None:
     for r in result["rows"]:
         assert {"grpc_bytes_per_s", "socket_bytes_per_s", "ratio"} <= r.keys()
     assert 0.0 <= result["hidden_fraction"] <= 1.0
+
+
+@pytest.mark.slow
+def test_kv_stages_benchmark_runs(tmp_path: Path) -> None:
+    """Its stages come from time stamps taken in two processes: each stage must start after the
+    one before it ended, or a stamp is taken at the wrong event."""
+    out = tmp_path / "kv_stages.json"
+    run_bench("kv_stages.py", "--repeats", "5", "--warmup", "2", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["payload_bytes"] == 1 << 20
+    stages = result["stage_seconds"]
+    assert list(stages) == ["handover", "dequeue", "transport", "handle", "ack", "wake"]
+    assert all(s >= 0 for s in stages.values()), stages
+    assert 0 < result["grpc_only_seconds"] < result["total_seconds"]
+    assert result["socket_seconds"] > 0
