@@ -34,6 +34,13 @@ def test_defaults_round_trip_through_yaml() -> None:
         ({"decode": {"kv_cache_memory_bytes": 0}}, "decode.kv_cache_memory_bytes"),
         ({"prefill": {"kv_cache_memory_bytes": -1}}, "prefill.kv_cache_memory_bytes"),
         ({"prefill": {"max_batch_tokens": 0}}, "prefill.max_batch_tokens"),
+        ({"decode": {"kv_cache_memory_fraction": 0}}, "decode.kv_cache_memory_fraction"),
+        ({"prefill": {"kv_cache_memory_fraction": 1.5}}, "prefill.kv_cache_memory_fraction"),
+        ({"decode": {"kv_cache_memory_fraction": "90%"}}, "decode.kv_cache_memory_fraction"),
+        (
+            {"decode": {"kv_cache_memory_fraction": float("nan")}},
+            "decode.kv_cache_memory_fraction",
+        ),
         ({"prefill": {"port": 70000}}, "prefill.port"),
         ({"decode": {"port": -1}}, "decode.port"),
         ({"router": {"port": 65536}}, "router.port"),

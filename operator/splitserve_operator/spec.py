@@ -123,6 +123,17 @@ def parse_quantity(value: int | float | str, field_name: str) -> int:
     return int(float(match.group(1)) * _QUANTITY_UNITS[match.group(2)])
 
 
+def parse_percentage(value: str, field_name: str) -> float:
+    """ "90%" -> 0.9, for a share in (0%, 100%]."""
+    try:
+        share = float(value.strip().removesuffix("%")) / 100
+    except ValueError:
+        raise SpecError(f"{field_name}: {value!r} is not a percentage like 90%") from None
+    if not 0 < share <= 1:  # nan too
+        raise SpecError(f"{field_name}: {value!r} must be in (0%, 100%]")
+    return share
+
+
 def _int(data: dict[str, Any], key: str, default: int, field_name: str, minimum: int = 0) -> int:
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -286,11 +297,16 @@ def _pool(name: str, data: dict[str, Any] | None, required: bool) -> Pool:
                 f"maximum {MAX_SPECULATIVE_TOKENS}"
             )
     if name != "router" and "kvCacheMemory" in data:
-        kv_bytes = parse_quantity(data["kvCacheMemory"], f"{path}.kvCacheMemory")
-        if kv_bytes < 1:
-            # Objects stored before the schema's rule: the worker config would refuse it.
-            raise SpecError(f"{path}.kvCacheMemory: {data['kvCacheMemory']!r} must be positive")
-        settings["kvCacheMemoryBytes"] = kv_bytes
+        value, where = data["kvCacheMemory"], f"{path}.kvCacheMemory"
+        if isinstance(value, str) and value.strip().endswith("%"):
+            # A share of the memory free once the weights are loaded (the worker measures it).
+            settings["kvCacheMemoryFraction"] = parse_percentage(value, where)
+        else:
+            kv_bytes = parse_quantity(value, where)
+            if kv_bytes < 1:
+                # Objects stored before the schema's rule: the worker config would refuse it.
+                raise SpecError(f"{where}: {value!r} must be positive")
+            settings["kvCacheMemoryBytes"] = kv_bytes
     resources = dict(data.get("resources") or {})
     if name == "router" and "resources" not in data:
         # Unset, the router pods would be BestEffort: first evicted under node pressure, and

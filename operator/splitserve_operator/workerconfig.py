@@ -27,6 +27,7 @@ def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str
     )
     if "kvCacheMemoryBytes" in spec.prefill.settings:
         prefill.kv_cache_memory_bytes = spec.prefill.settings["kvCacheMemoryBytes"]
+    prefill.kv_cache_memory_fraction = spec.prefill.settings.get("kvCacheMemoryFraction")
     decode = DecodeSettings(
         port=DECODE_PORT,
         max_batch_size=spec.decode.settings["maxBatchSize"],
@@ -35,6 +36,7 @@ def serving_config(spec: Spec, service: str, namespace: str, cluster_domain: str
     )
     if "kvCacheMemoryBytes" in spec.decode.settings:
         decode.kv_cache_memory_bytes = spec.decode.settings["kvCacheMemoryBytes"]
+    decode.kv_cache_memory_fraction = spec.decode.settings.get("kvCacheMemoryFraction")
     prefill_host = pool_service_host(service, "prefill", namespace, cluster_domain)
     decode_host = pool_service_host(service, "decode", namespace, cluster_domain)
     config = ServingConfig(

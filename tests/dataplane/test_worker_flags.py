@@ -3,9 +3,12 @@ before binding a port or loading the model, and say which field is wrong."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
+from splitserve_workers import worker_runtime
 from splitserve_workers.cli import main
 
 
@@ -37,6 +40,10 @@ def model_dir(tmp_path: Path) -> Path:
         (["--lease-seconds", "nan"], "lease_seconds"),
         (["--lease-seconds", "1e300"], "lease_seconds"),
         (["--drain-timeout", "nan"], "drain_timeout"),
+        (["--kv-cache-memory-fraction", "0"], "kv_cache_memory_fraction"),
+        (["--kv-cache-memory-fraction", "1.01"], "kv_cache_memory_fraction"),
+        (["--kv-cache-memory-fraction", "nan"], "kv_cache_memory_fraction"),
+        (["--kv-cache-memory-fraction", "0.5", "--kv-cache-memory", "1024"], "kv_cache_memory"),
     ],
 )
 @pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
@@ -57,3 +64,29 @@ def test_bad_config_file_exits_2_naming_the_field(
     assert "decode.port: 99999" in capsys.readouterr().err
     assert main(["decode", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "config: cannot read" in capsys.readouterr().err
+
+
+def engine_settings(role: str, *argv: str) -> Any:
+    """The EngineConfig a worker of `role` would start its engine with."""
+    parser = argparse.ArgumentParser()
+    worker_runtime.add_arguments(parser)
+    settings = worker_runtime.load_settings(role, parser.parse_args(list(argv)))
+    return worker_runtime.engine_config(settings)
+
+
+def test_kv_cache_budget_as_a_share_or_bytes_reaches_the_engine(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    (model_dir / "tokenizer.json").write_text("{}")
+    config = tmp_path / "serving.yaml"
+    config.write_text("decode:\n  kv_cache_memory_fraction: 0.8\n")
+    base = ("--model", str(model_dir), "--config", str(config))
+    # The config file's share, for the pool it is written for.
+    decode = engine_settings("decode", *base)
+    assert (decode.kv_cache_memory_fraction, decode.kv_cache_memory_bytes) == (0.8, 1 << 30)
+    assert engine_settings("prefill", *base).kv_cache_memory_fraction is None
+    # A flag wins over the file: bytes drop the file's share, a share replaces it.
+    flagged = engine_settings("decode", *base, "--kv-cache-memory", "4096")
+    assert (flagged.kv_cache_memory_fraction, flagged.kv_cache_memory_bytes) == (None, 4096)
+    share = engine_settings("decode", *base, "--kv-cache-memory-fraction", "0.25")
+    assert share.kv_cache_memory_fraction == 0.25

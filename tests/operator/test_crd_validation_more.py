@@ -345,6 +345,24 @@ QUANTITY_INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "must be a positive quantity such as 64Mi or 8Gi",
     ),
     (
+        "kvCacheMemory of 0%",
+        {"decode": {"kvCacheMemory": "0%"}},
+        "spec.decode.kvCacheMemory",
+        "a percentage must be above 0% and at most 100%",
+    ),
+    (
+        "kvCacheMemory over 100%",
+        {"prefill": {"kvCacheMemory": "100.5%"}},
+        "spec.prefill.kvCacheMemory",
+        "a percentage must be above 0% and at most 100%",
+    ),
+    (
+        "kvCacheMemory as a percentage with a unit",
+        {"decode": {"kvCacheMemory": "90Gi%"}},
+        "spec.decode.kvCacheMemory",
+        "should match",
+    ),
+    (
         "negative emptyDir sizeLimit",
         {"model": {"volume": {"emptyDir": {"sizeLimit": -1}}}},
         "spec.model.volume.emptyDir.sizeLimit",
@@ -421,12 +439,18 @@ def test_quantities_kubernetes_takes_are_accepted(
                         "limits": {"cpu": "0.5", "memory": 1073741824, "nvidia.com/gpu": "1"},
                     },
                 },
-                "prefill": {"resources": {"requests": {"cpu": "1.5", "memory": "1G"}}},
+                "prefill": {
+                    "kvCacheMemory": "0.5%",  # a share of the memory free after the weights
+                    "resources": {"requests": {"cpu": "1.5", "memory": "1G"}},
+                },
                 "model": {"volume": {"emptyDir": {"sizeLimit": "10Gi"}}},
             }
         ),
     )
     assert proc.returncode == 0, proc.stderr
+    for share in ("100%", "100.0%", "90%", "7.5%"):
+        proc = dry_run(control_plane, namespace, llmservice({"decode": {"kvCacheMemory": share}}))
+        assert proc.returncode == 0, f"{share}\n{proc.stderr}"
 
 
 def test_crd_mount_rule_lists_every_mount_of_the_pod_template() -> None:

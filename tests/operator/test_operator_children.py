@@ -179,12 +179,22 @@ def test_hpas_and_scaled_objects_are_ruled_out_outside_their_mode() -> None:
         }
 
 
+def test_kv_cache_memory_percentage_reaches_the_workers_as_a_fraction() -> None:
+    spec = copy.deepcopy(SPEC)
+    spec["decode"]["kvCacheMemory"] = "85%"
+    config = serving(spec)
+    assert config.decode.kv_cache_memory_fraction == pytest.approx(0.85)
+    assert config.prefill.kv_cache_memory_fraction is None  # prefill keeps its 256Mi
+    assert config.prefill.kv_cache_memory_bytes == 256 << 20
+
+
 def test_config_map_is_the_worker_contract_with_dns_discovery() -> None:
     config = serving()
     assert config.service == "chat"
     assert config.model.path == "/models/tiny-llama" and config.model.dtype == "float32"
     assert config.prefill.max_batch_tokens == 2048
     assert config.prefill.kv_cache_memory_bytes == 256 << 20
+    assert config.prefill.kv_cache_memory_fraction is None
     assert config.decode.max_batch_size == 64
     assert config.decode.speculative_tokens == 4
     assert serving(component="prefill") == config

@@ -90,6 +90,9 @@ def test_quantities(value: object, count: int) -> None:
         ("autoscaling.mode", "Sometimes", "spec.autoscaling.mode"),
         ("model.path", "relative/dir", "spec.model.path"),
         ("prefill.kvCacheMemory", "lots", "spec.prefill.kvCacheMemory"),
+        ("decode.kvCacheMemory", "0%", "spec.decode.kvCacheMemory"),
+        ("decode.kvCacheMemory", "101%", "spec.decode.kvCacheMemory"),
+        ("prefill.kvCacheMemory", "lots%", "spec.prefill.kvCacheMemory"),
         (
             "prefill.autoscaling",
             {"minReplicas": 4, "maxReplicas": 2},
@@ -267,3 +270,12 @@ def test_tool_call_and_reasoning_parsers_are_the_routers() -> None:
     assert tuple(router["toolCallParser"]["enum"]) == TOOL_CALL_PARSERS
     assert REASONING_PARSERS == ("auto", "none", *reasoning.PARSERS)
     assert tuple(router["reasoningParser"]["enum"]) == REASONING_PARSERS
+
+
+def test_kv_cache_memory_as_a_percentage_is_a_share_not_bytes() -> None:
+    pool = parse_spec(with_("decode.kvCacheMemory", "90%")).decode
+    assert pool.settings["kvCacheMemoryFraction"] == pytest.approx(0.9)
+    assert "kvCacheMemoryBytes" not in pool.settings
+    pool = parse_spec(with_("decode.kvCacheMemory", "8Gi")).decode
+    assert pool.settings["kvCacheMemoryBytes"] == 8 << 30
+    assert "kvCacheMemoryFraction" not in pool.settings

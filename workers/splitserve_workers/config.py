@@ -42,6 +42,9 @@ class PrefillSettings:
     port: int = 50051
     max_batch_tokens: int = 8192  # prefill token budget per forward pass
     kv_cache_memory_bytes: int = 512 << 20
+    # Instead of the bytes: this share, in (0, 1], of the memory free once the weights are
+    # loaded (the GPU's free memory; on CPU MemAvailable capped by the cgroup limit).
+    kv_cache_memory_fraction: float | None = None
 
 
 @dataclass
@@ -50,6 +53,7 @@ class DecodeSettings:
     max_batch_size: int = 128  # sequences per decode iteration (configured limit)
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_fraction: float | None = None  # as PrefillSettings'
     reservation_lease_seconds: float = 30.0  # blocks of a transfer that never completes are freed
     # Speculative decoding by n-gram lookup in the prompt and output: draft tokens verified per
     # sequence per decode pass (0 = off). Also used by colocated workers.
@@ -112,6 +116,10 @@ class ServingConfig:
         ]
         for size in ("prefill.kv_cache_memory_bytes", "decode.kv_cache_memory_bytes"):
             checks.append((size, self._get(size), 1))
+        for share in ("prefill.kv_cache_memory_fraction", "decode.kv_cache_memory_fraction"):
+            value = self._get(share)
+            if value is not None and not 0 < value <= 1:  # nan too
+                raise ConfigError(f"{share}: {value!r} must be in (0, 1]")
         checks.append(("router.max_request_bytes", self.router.max_request_bytes, 1))
         checks.append(
             ("router.admission_timeout_seconds", self.router.admission_timeout_seconds, 0)
@@ -238,6 +246,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "float": (int, float),
     "int | None": (int, type(None)),
+    "float | None": (int, float, type(None)),
     "list[str]": (list,),
     "bool": (bool,),
 }

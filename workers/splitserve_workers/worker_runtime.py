@@ -61,6 +61,7 @@ class WorkerSettings:
     threads: int | None
     speculative_tokens: int = 0
     kv_send_after_prefill: bool = False  # prefill ablation (bench/kv_transfer.py)
+    kv_cache_memory_fraction: float | None = None  # instead of kv_cache_memory_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-batch-tokens", type=int, help="prefill token budget per forward pass")
     a("--max-batch-size", type=int, help="sequences per decode iteration")
     a("--kv-cache-memory", type=int, help="KV cache budget in bytes")
+    a(
+        "--kv-cache-memory-fraction",
+        type=float,
+        help="KV cache budget as a share in (0, 1] of the memory free once the weights are "
+        "loaded (GPU free memory; on CPU MemAvailable capped by the cgroup limit); instead of "
+        "--kv-cache-memory",
+    )
     a("--num-kv-blocks", type=int, help="exact number of KV blocks (overrides the budget)")
     a("--block-size", type=int, help="tokens per KV block")
     a("--max-model-len", type=int, help="longest prompt + output in tokens")
@@ -111,10 +119,21 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
         raise ConfigError("model.path: no model directory (pass --model or set it in --config)")
     if not (Path(model_dir) / "config.json").is_file():
         raise ConfigError(f"model.path: {model_dir} has no config.json")
-    if role == "prefill":
-        port, kv_bytes = cfg.prefill.port, cfg.prefill.kv_cache_memory_bytes
-    else:
-        port, kv_bytes = cfg.decode.port, cfg.decode.kv_cache_memory_bytes
+    pool = cfg.prefill if role == "prefill" else cfg.decode
+    port, kv_bytes, kv_fraction = (
+        pool.port,
+        pool.kv_cache_memory_bytes,
+        pool.kv_cache_memory_fraction,
+    )
+    if args.kv_cache_memory is not None and args.kv_cache_memory_fraction is not None:
+        raise ConfigError(
+            "kv_cache_memory: give --kv-cache-memory (bytes) or --kv-cache-memory-fraction, "
+            "not both"
+        )
+    if args.kv_cache_memory is not None:  # a budget in bytes on the command line wins
+        kv_fraction = None
+    elif args.kv_cache_memory_fraction is not None:
+        kv_fraction = args.kv_cache_memory_fraction
 
     settings = WorkerSettings(
         role=role,
@@ -137,6 +156,7 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
         threads=args.threads,
         speculative_tokens=flag_or(args.speculative_tokens, cfg.decode.speculative_tokens),
         kv_send_after_prefill=getattr(args, "kv_send_after_prefill", False),
+        kv_cache_memory_fraction=kv_fraction,
     )
     for name in ("max_batch_tokens", "max_batch_size", "block_size", "kv_cache_memory_bytes"):
         if getattr(settings, name) < 1:
@@ -174,6 +194,7 @@ def engine_config(s: WorkerSettings) -> Any:
         device=s.device,
         block_size=s.block_size,
         kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+        kv_cache_memory_fraction=s.kv_cache_memory_fraction,
         num_kv_blocks=s.num_kv_blocks,
         max_batch_size=s.max_batch_size,
         max_batch_tokens=s.max_batch_tokens,
@@ -324,7 +345,7 @@ async def serve(settings: WorkerSettings, make_role: Any) -> int:
     await server.start()
     worker.status.loaded = True
     log.info(
-        "%s worker ready: grpc %d, http %d, model %s (%s, %d KV blocks of %d tokens)",
+        "%s worker ready: grpc %d, http %d, model %s (%s, %d KV blocks of %d tokens: %s)",
         settings.role,
         port,
         metrics_port,
@@ -332,6 +353,7 @@ async def serve(settings: WorkerSettings, make_role: Any) -> int:
         worker.spec.dtype,
         engine.num_kv_blocks,
         engine.block_size,
+        engine.kv_cache_sizing,
     )
     print(f"READY role={settings.role} port={port} metrics_port={metrics_port}", flush=True)
 

@@ -22,6 +22,10 @@ class EngineConfig:
     device: str = "auto"  # auto|cpu|cuda|cuda:N
     block_size: int = 16
     kv_cache_memory_bytes: int = 256 << 20  # sizes num_kv_blocks
+    # Instead of kv_cache_memory_bytes: this share, in (0, 1], of the memory still free on the
+    # device once the weights are loaded (engine/memory.py: a GPU's free memory; on CPU
+    # MemAvailable capped by the cgroup limit). The rest stays for activations and others.
+    kv_cache_memory_fraction: float | None = None
     num_kv_blocks: int | None = None  # overrides the memory budget when set
     max_batch_size: int = 32  # max sequences in one decode iteration
     max_batch_tokens: int = 2048  # prefill token budget per forward pass (longer prompts chunk)
@@ -65,6 +69,9 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.kv_cache_memory_bytes: {self.kv_cache_memory_bytes} must be >= 1"
             )
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:  # nan too
+            raise ValueError(f"EngineConfig.kv_cache_memory_fraction: {fraction} must be in (0, 1]")
         if self.max_batch_size < 1:
             raise ValueError(f"EngineConfig.max_batch_size: {self.max_batch_size} must be >= 1")
         if self.max_batch_tokens < 1:

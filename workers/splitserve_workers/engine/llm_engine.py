@@ -37,6 +37,7 @@ from splitserve_workers.engine.config import EngineConfig
 from splitserve_workers.engine.grammar import GrammarError, Grammars, executor
 from splitserve_workers.engine.layers.linear import cpu_native_bf16
 from splitserve_workers.engine.loader import load_model
+from splitserve_workers.engine.memory import free_memory
 from splitserve_workers.engine.model_config import ModelConfig
 from splitserve_workers.engine.model_runner import ModelRunner
 from splitserve_workers.engine.sampling import (
@@ -141,10 +142,7 @@ class LLMEngine:
             config.model, mc, self.dtype, self.device, prepack=config.cpu_weight_prepack
         )
         self.block_size = config.block_size
-        per_block = self.block_size * self.kv_bytes_per_token()
-        self.num_kv_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_bytes // per_block
-        )
+        self.num_kv_blocks, self.kv_cache_sizing = self._size_kv_cache(config)
         self.block_manager = BlockManager(
             self.num_kv_blocks, self.block_size, config.enable_prefix_caching
         )
@@ -163,6 +161,24 @@ class LLMEngine:
         self._busy_seconds_total = 0.0
         self._draft_tokens_total = 0  # speculative decoding: drafts verified
         self._accepted_tokens_total = 0  # ... and accepted
+
+    def _size_kv_cache(self, config: EngineConfig) -> tuple[int, str]:
+        """The block count, and how it was chosen (logged by the workers)."""
+        per_block = self.block_size * self.kv_bytes_per_token()
+        if config.num_kv_blocks:
+            return config.num_kv_blocks, "num_kv_blocks"
+        fraction = config.kv_cache_memory_fraction
+        if fraction is None:
+            budget = config.kv_cache_memory_bytes
+            return max(1, budget // per_block), f"kv_cache_memory_bytes {budget}"
+        free = free_memory(self.device)  # the weights are loaded: what is left after them
+        budget = int(free.bytes * fraction)
+        if budget < per_block:
+            raise ValueError(
+                f"EngineConfig.kv_cache_memory_fraction: {fraction:g} of {free.bytes} bytes free "
+                f"({free.source}) is {budget} bytes, less than one KV block ({per_block} bytes)"
+            )
+        return budget // per_block, f"{fraction:g} of {free.bytes} bytes free ({free.source})"
 
     # ---- facts -------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
