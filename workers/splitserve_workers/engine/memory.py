@@ -31,6 +31,8 @@ def free_memory(device: Any) -> FreeMemory:
     if device.type == "cuda":
         import torch
 
+        # Blocks torch's allocator cached while loading are free for the cache too.
+        torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info(device)
         return FreeMemory(int(free), f"free memory on {device}")
     return free_host_memory()
