@@ -36,5 +36,7 @@ def test_the_gpu_benchmark_script_runs_end_to_end(mode: str, tmp_path: Path) -> 
     if mode == "files":
         assert spec["draft_tokens"] == 4 and spec["effective_tpot_ms"] > 0
         assert spec["plain_tpot_ms"] == pytest.approx(decode["tpot_ms_median"])
+        assert result["kv_cache"]["blocks"] > 0
+        assert result["kv_cache"]["sizing"] == f"kv_cache_memory_bytes {64 << 20}"
     else:  # the synthetic mode has no scheduler to draft with
         assert spec is None
