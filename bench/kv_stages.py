@@ -61,7 +61,7 @@ def run(payload_kb: int, repeats: int, warmup: int) -> dict[str, Any]:
             f"--payload-kb: {payload} bytes need more than one {DEFAULT_CHUNK_BYTES}-byte KV "
             "message; stages overlap then (use bench/kv_transfer.py)"
         )
-    proc, endpoint, sock = kt.start_receiver(max(1, payload >> 20) + 1)
+    proc, endpoint, sock = kt.start_receiver(max(1, payload >> 20) + 1, stamps=True)
     channel = grpc.insecure_channel(endpoint)
     stub = pbg.DecodeServiceStub(channel)
     take = channel.unary_unary("/bench.Sink/Stamps")

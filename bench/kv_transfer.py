@@ -55,9 +55,10 @@ class BenchEngine:
     one KV cache allocated (and touched) at startup, which import_kv copies into; transfers run
     one at a time here, so every reservation may use the same region."""
 
-    def __init__(self, max_mb: int) -> None:
-        # request id -> time.monotonic() when its last import_kv returned (bench/kv_stages.py).
-        self.imported_at: dict[str, float] = {}
+    def __init__(self, max_mb: int, stamps: bool = False) -> None:
+        # bench/kv_stages.py only: request id -> time.monotonic() when its last import_kv
+        # returned (None: not stamped, so kv_transfer.py's receiver does no extra work).
+        self.imported_at: dict[str, float] | None = {} if stamps else None
         self.model_config = SimpleNamespace(
             num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, max_model_len=1 << 20
         )
@@ -80,7 +81,8 @@ class BenchEngine:
         layers, n = k.shape[0], k.shape[1]
         self._cache[layer : layer + layers, 0, start : start + n].copy_(k)
         self._cache[layer : layer + layers, 1, start : start + n].copy_(v)
-        self.imported_at[request_id] = time.monotonic()
+        if self.imported_at is not None:
+            self.imported_at[request_id] = time.monotonic()
 
     def release(self, request_id: str) -> None:
         return None
@@ -114,7 +116,7 @@ def socket_server(sock: socket.socket, max_mb: int) -> None:
                 conn.sendall(b"k")
 
 
-def receiver_main(ports: Any, max_mb: int) -> None:
+def receiver_main(ports: Any, max_mb: int, stamps: bool = False) -> None:
     torch.set_num_threads(1)
     import grpc
     from splitserve_workers import decode_worker
@@ -122,8 +124,8 @@ def receiver_main(ports: Any, max_mb: int) -> None:
     from splitserve_workers.kv_transfer import kv_channel_options, parse_kv_chunk
     from splitserve_workers.proto import serving_pb2 as pb
 
-    # When each message reached the PushKV deserializer, i.e. gRPC had received all of it
-    # (request id -> time.monotonic() of its latest message; read by bench/kv_stages.py).
+    # With stamps (bench/kv_stages.py): when each message reached the PushKV deserializer,
+    # i.e. gRPC had received all of it (request id -> time.monotonic() of its latest message).
     arrived: dict[str, float] = {}
 
     def stamped_parse(data: bytes) -> Any:
@@ -132,13 +134,14 @@ def receiver_main(ports: Any, max_mb: int) -> None:
         arrived[chunk.request_id] = t
         return chunk
 
-    decode_worker.parse_kv_chunk = stamped_parse  # DecodeRole.register picks it up
+    if stamps:
+        decode_worker.parse_kv_chunk = stamped_parse  # DecodeRole.register picks it up
 
     sock = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=socket_server, args=(sock, max_mb), daemon=True).start()
 
     async def serve() -> None:
-        engine = BenchEngine(max_mb)
+        engine = BenchEngine(max_mb, stamps)
         worker = SimpleNamespace(
             engine=engine,
             loop=None,
@@ -168,10 +171,13 @@ def receiver_main(ports: Any, max_mb: int) -> None:
             return pb.PushKVResponse(bytes=n)
 
         # The transport ceiling: the same messages into a handler that only counts them.
-        async def stamps(request: bytes, context: Any) -> bytes:
+        async def take_stamps(request: bytes, context: Any) -> bytes:
             rid = request.decode()
             return json.dumps(
-                {"arrived": arrived.pop(rid, None), "imported": engine.imported_at.pop(rid, None)}
+                {
+                    "arrived": arrived.pop(rid, None),
+                    "imported": (engine.imported_at or {}).pop(rid, None),
+                }
             ).encode()
 
         server.add_generic_rpc_handlers(
@@ -185,7 +191,7 @@ def receiver_main(ports: Any, max_mb: int) -> None:
                             response_serializer=pb.PushKVResponse.SerializeToString,
                         ),
                         # One transfer's receiver-side time stamps (bench/kv_stages.py).
-                        "Stamps": grpc.unary_unary_rpc_method_handler(stamps),
+                        "Stamps": grpc.unary_unary_rpc_method_handler(take_stamps),
                     },
                 ),
             )
@@ -290,15 +296,16 @@ def socket_transfer(sock: socket.socket, k: torch.Tensor, v: torch.Tensor) -> fl
     return time.perf_counter() - t0
 
 
-def start_receiver(max_mb: int) -> tuple[Any, str, socket.socket]:
+def start_receiver(max_mb: int, stamps: bool = False) -> tuple[Any, str, socket.socket]:
     """The receiver process, its gRPC endpoint, and a TCP_NODELAY connection to its socket
-    server. Also sets this (sender) process's malloc thresholds, as PrefillRole does."""
+    server; with `stamps`, it times each message's arrival and import (bench.Sink/Stamps).
+    Also sets this (sender) process's malloc thresholds, as PrefillRole does."""
     from splitserve_workers.kv_transfer import keep_large_buffers_in_heap
 
     keep_large_buffers_in_heap()  # the receiver's DecodeRole does it too
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    proc = ctx.Process(target=receiver_main, args=(ports, max_mb), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(ports, max_mb, stamps), daemon=True)
     proc.start()
     grpc_port, sock_port = ports.get(timeout=120)
     sock = socket.create_connection(("127.0.0.1", sock_port))

@@ -120,20 +120,13 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
     if not (Path(model_dir) / "config.json").is_file():
         raise ConfigError(f"model.path: {model_dir} has no config.json")
     pool = cfg.prefill if role == "prefill" else cfg.decode
-    port, kv_bytes, kv_fraction = (
-        pool.port,
-        pool.kv_cache_memory_bytes,
-        pool.kv_cache_memory_fraction,
-    )
     if args.kv_cache_memory is not None and args.kv_cache_memory_fraction is not None:
         raise ConfigError(
             "kv_cache_memory: give --kv-cache-memory (bytes) or --kv-cache-memory-fraction, "
             "not both"
         )
-    if args.kv_cache_memory is not None:  # a budget in bytes on the command line wins
-        kv_fraction = None
-    elif args.kv_cache_memory_fraction is not None:
-        kv_fraction = args.kv_cache_memory_fraction
+    # A budget in bytes on the command line also drops the file's share.
+    kv_fraction = None if args.kv_cache_memory is not None else pool.kv_cache_memory_fraction
 
     settings = WorkerSettings(
         role=role,
@@ -143,11 +136,11 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
         device=flag_or(args.device, cfg.model.device),
         dtype=flag_or(args.dtype, cfg.model.dtype),
         host=args.host,
-        port=flag_or(args.port, port),
+        port=flag_or(args.port, pool.port),
         metrics_port=args.metrics_port,
         max_batch_tokens=flag_or(args.max_batch_tokens, cfg.prefill.max_batch_tokens),
         max_batch_size=flag_or(args.max_batch_size, cfg.decode.max_batch_size),
-        kv_cache_memory_bytes=flag_or(args.kv_cache_memory, kv_bytes),
+        kv_cache_memory_bytes=flag_or(args.kv_cache_memory, pool.kv_cache_memory_bytes),
         num_kv_blocks=args.num_kv_blocks,
         block_size=flag_or(args.block_size, cfg.decode.block_size),
         max_model_len=flag_or(args.max_model_len, cfg.model.max_model_len),
@@ -156,7 +149,7 @@ def load_settings(role: str, args: argparse.Namespace) -> WorkerSettings:
         threads=args.threads,
         speculative_tokens=flag_or(args.speculative_tokens, cfg.decode.speculative_tokens),
         kv_send_after_prefill=getattr(args, "kv_send_after_prefill", False),
-        kv_cache_memory_fraction=kv_fraction,
+        kv_cache_memory_fraction=flag_or(args.kv_cache_memory_fraction, kv_fraction),
     )
     for name in ("max_batch_tokens", "max_batch_size", "block_size", "kv_cache_memory_bytes"):
         if getattr(settings, name) < 1:

@@ -59,22 +59,25 @@ def _meminfo_available(path: Path) -> int:
     raise OSError(f"{path} has no MemAvailable line")
 
 
-def _read_int(path: Path) -> int | None:
+def _read_text(path: Path) -> str:
+    """A cgroup file's text; "" where it does not exist (a controller or level not there)."""
     try:
-        text = path.read_text().strip()
+        return path.read_text()
     except OSError:
-        return None
-    return None if text == "max" else int(text)
+        return ""
+
+
+def _read_int(path: Path) -> int | None:
+    """A cgroup file's number; None for a missing file or "max" (no limit)."""
+    text = _read_text(path).strip()
+    return None if text in ("", "max") else int(text)
 
 
 def _stat(path: Path, key: str) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except OSError:
-        pass
+    for line in _read_text(path).splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
     return 0
 
 
@@ -93,10 +96,7 @@ def _chain(root: Path, relative: str) -> list[Path]:
 
 def _cgroup_limits(self_cgroup: Path, cgroup_fs: str) -> list[tuple[str, int, int]]:
     """(directory, limit, working set) for every memory-limited cgroup above this process."""
-    try:
-        lines = self_cgroup.read_text().splitlines()
-    except OSError:
-        return []
+    lines = _read_text(self_cgroup).splitlines()
     fs = Path(cgroup_fs)
     found = []
     for line in lines:
@@ -119,10 +119,3 @@ def _cgroup_limits(self_cgroup: Path, cgroup_fs: str) -> list[tuple[str, int, in
                     inactive = _stat(d / "memory.stat", "total_inactive_file")
                     found.append((str(d), limit, max(0, usage - inactive)))
     return found
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
