@@ -144,11 +144,12 @@ def test_disaggregated_constrained_decode_equals_local(
         check_person(json.loads(b.tokenizer.decode(got)))
 
 
-def test_a_first_token_outside_the_grammar_ends_the_request(
+def test_a_first_token_outside_the_grammar_is_refused(
     make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
 ) -> None:
     # A decode worker handed a first token its grammar refuses (a prefill worker that did not
-    # constrain it) answers "error" at once and frees the request's blocks.
+    # constrain it) refuses the call naming first_token, as for any other bad argument; the
+    # reservation and its imported KV stay, so a corrected call starts it, and release frees it.
     a = make_engine()
     prompt = prompt_ids(a, 10)
     free = SamplingParams(max_tokens=1)
@@ -160,9 +161,14 @@ def test_a_first_token_outside_the_grammar_ends_the_request(
     for layer, start, k, v in collector.chunks:
         b.import_kv("r1", layer, start, k, v)
     not_a_digit = b.tokenizer.encode("x", add_special_tokens=False)[0]
-    b.start_decode("r1", prompt, not_a_digit, SamplingParams(grammar=G.regex("[0-9]+")))
-    (out,) = run(b)
-    assert out.finished and out.finish_reason == "error"
+    digits = SamplingParams(max_tokens=2, grammar=G.regex("[0-9]+"))
+    with pytest.raises(ValueError, match=rf"^first_token: {not_a_digit} is not allowed by"):
+        b.start_decode("r1", prompt, not_a_digit, digits)
+    assert not b.has_unfinished()
+    seven = b.tokenizer.encode("7", add_special_tokens=False)[0]
+    b.start_decode("r1", prompt, seven, digits)
+    ((ids, reason),) = finished(b).values()
+    assert reason == "length" and b.tokenizer.decode([seven, *ids]).isdigit()
     assert b.stats().free_blocks == b.num_kv_blocks
 
 

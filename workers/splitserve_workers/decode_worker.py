@@ -45,6 +45,12 @@ MAX_PENDING_IMPORTS = 2
 # refused reservation at least once a second, so a waiting interactive request keeps the window
 # open.
 INTERACTIVE_HOLD_S = 1.5
+# A cut KV stream whose reservation the router's Abort reaches within this long is counted and
+# logged as that routine abort, not as a `stream_cut` fault: a request that ends with its first
+# token (max_tokens 1, a stop, a client gone) has the router cancel the prefill call and Abort
+# here at once, and the prefill worker's cut of the KV stream may arrive first. Its blocks are
+# freed at once either way; only the verdict waits.
+CUT_GRACE_S = 1.0
 
 
 class DecodeRole:
@@ -233,12 +239,26 @@ class DecodeRole:
 
     def _fail(self, res: Reservation, code: grpc.StatusCode, message: str, reason: str) -> None:
         if self.reservations.fail(res, Failure(code, message, reason), time.monotonic()):
-            # A router abort (client gone, stop string, max_tokens 1) is routine, not a refused
-            # call: it is neither counted as a rejection nor logged as a fault.
-            if reason != "aborted":
-                self.w.metrics.rejected(reason)
-            level = logging.INFO if reason == "aborted" else logging.WARNING
-            log.log(level, "transfer %s failed: %s", res.request_id, message)
+            if reason == "stream_cut":
+                # The blocks are free already; only the verdict waits for a racing Abort.
+                asyncio.get_running_loop().call_later(CUT_GRACE_S, self._report_cut, res)
+            else:
+                self._report(res, reason, message)
+
+    def _report(self, res: Reservation, reason: str, message: str) -> None:
+        # A router abort (client gone, stop string, max_tokens 1) is routine, not a refused
+        # call: it is neither counted as a rejection nor logged as a fault.
+        if reason != "aborted":
+            self.w.metrics.rejected(reason)
+        level = logging.INFO if reason == "aborted" else logging.WARNING
+        log.log(level, "transfer %s failed: %s", res.request_id, message)
+
+    def _report_cut(self, res: Reservation) -> None:
+        assert res.failure is not None
+        if res.aborted:
+            self._report(res, "aborted", f"{res.failure.message}, then aborted by the router")
+        else:
+            self._report(res, "stream_cut", res.failure.message)
 
     async def _open_stream(self, rid: str, context: grpc.aio.ServicerContext) -> Reservation:
         res = self.reservations.get(rid)
@@ -275,10 +295,13 @@ class DecodeRole:
         pending: deque[asyncio.Future[str | None]] = deque()
         self._active += 1
         try:
+            chunks = request_iterator
             if rid:
                 res = await self._open_stream(str(rid), context)
+            else:
+                chunks = self._first_within_lease(request_iterator, context)
             try:
-                async for chunk in request_iterator:
+                async for chunk in chunks:
                     if res is None:
                         if chunk.malformed:
                             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, chunk.malformed)
@@ -337,6 +360,30 @@ class DecodeRole:
             if res is not None:
                 res.stream_open = False
                 res.stream_task = None
+
+    async def _first_within_lease(
+        self, chunks: AsyncIterator[KVChunkView], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[KVChunkView]:
+        """A stream without the request-id metadata has no lease until its first chunk names
+        the reservation: that chunk must come within one lease, or the stream is refused with
+        DEADLINE_EXCEEDED (an idle stream would otherwise stay open for ever and hold up a
+        drain for its whole timeout)."""
+        lease = self.w.settings.lease_s
+        iterator = aiter(chunks)
+        try:
+            first = await asyncio.wait_for(anext(iterator), lease)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            self.w.metrics.rejected("lease_expired")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"PushKV stream without {REQUEST_ID_METADATA} metadata sent no chunk within "
+                f"the reservation lease ({lease:g}s)",
+            )
+        yield first
+        async for chunk in iterator:
+            yield chunk
 
     def _import_kv(self, rid: str, layer: int, start: int, k: Any, v: Any) -> str | None:
         try:
@@ -465,6 +512,8 @@ class DecodeRole:
         if res is not None and res.state is not State.FAILED:
             self._fail(res, grpc.StatusCode.CANCELLED, "aborted by the router", "aborted")
             return pb.AbortResponse(found=True)
+        if res is not None:
+            res.aborted = True  # a cut stream this Abort follows was routine (CUT_GRACE_S)
         if request.request_id in self._reserving:  # freed as soon as the engine call returns
             self._reserving[request.request_id] = True
             return pb.AbortResponse(found=True)

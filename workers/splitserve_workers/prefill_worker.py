@@ -27,7 +27,7 @@ from splitserve_workers.kv_transfer import (
 )
 from splitserve_workers.proto import serving_pb2 as pb
 from splitserve_workers.proto import serving_pb2_grpc as pb_grpc
-from splitserve_workers.protocol import kv_transfer_failed
+from splitserve_workers.protocol import endpoint_problem, kv_transfer_failed
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class PrefillRole:
         prompt = list(request.prompt_token_ids)
         if not request.decode_endpoint:
             await context.abort(invalid, "decode_endpoint: required (host:port of the reservation)")
+        if (why := endpoint_problem(request.decode_endpoint)) is not None:
+            # Not echoed back: it may be long or hold control characters.
+            await context.abort(invalid, f"decode_endpoint: {why}")
         if not request.HasField("decode_model"):
             await context.abort(invalid, "decode_model: required (the decode worker's ModelSpec)")
         if not 0 <= request.decode_cached_tokens < len(prompt):
@@ -126,7 +129,7 @@ class PrefillRole:
             return
 
         self._active += 1
-        finished = False
+        finished = aborted = False
         try:
             first: pb.FirstToken | None = None
             compute_end = 0.0
@@ -164,7 +167,12 @@ class PrefillRole:
                             first.prompt_logprobs.CopyFrom(rt.prompt_logprobs(o.prompt_logprobs))
                     if o.finished:
                         finished = True
+                        aborted = o.finish_reason == "abort"
                 if first is None and finished:
+                    if aborted:  # PrefillService.Abort (the router's client went away)
+                        await context.abort(
+                            grpc.StatusCode.CANCELLED, f"prefill of {rid} was aborted (Abort)"
+                        )
                     await context.abort(
                         grpc.StatusCode.INTERNAL, f"prefill of {rid} ended without a token"
                     )

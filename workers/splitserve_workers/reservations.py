@@ -52,6 +52,7 @@ class Reservation:
     busy: int = 0  # imports in flight; blocks are released only when none are
     released: bool = False
     stream_task: asyncio.Task[Any] | None = None  # the PushKV handler, cancelled on expiry
+    aborted: bool = False  # the router's Abort came after the reservation had failed
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # COMPLETE or FAILED
 
 

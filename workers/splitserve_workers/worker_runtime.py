@@ -256,6 +256,66 @@ class Worker:
         )
 
 
+class _Unparseable:
+    """What RefuseUnparseable's deserializer hands the handler in place of a request whose
+    bytes are not the RPC's message."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class RefuseUnparseable(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A unary request whose bytes do not parse as the RPC's protobuf message (corrupt wire
+    format, a truncated message, bad UTF-8 in a string field) gets INVALID_ARGUMENT naming the
+    method, as a bad PushKV chunk does, instead of grpcio's UNKNOWN "Unexpected DecodeError"
+    and a logged traceback per call. Streamed requests (PushKV) parse their own chunks."""
+
+    async def intercept_service(
+        self, continuation: Any, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        method = details.method
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as e:  # google.protobuf.message.DecodeError, in every backend
+                return _Unparseable(f"{method}: the request is not a valid protobuf message: {e}")
+
+        async def refuse(request: _Unparseable, context: grpc.aio.ServicerContext) -> None:
+            log.debug("refused an unparseable request: %s", request.reason)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+        serialize = handler.response_serializer
+        if handler.response_streaming:
+            stream = handler.unary_stream
+
+            async def streamed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Unparseable):
+                    await refuse(request, context)
+                async for event in stream(request, context):
+                    yield event
+
+            return grpc.unary_stream_rpc_method_handler(
+                streamed, request_deserializer=deserialize, response_serializer=serialize
+            )
+        unary = handler.unary_unary
+
+        async def answered(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Unparseable):
+                await refuse(request, context)
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            answered, request_deserializer=deserialize, response_serializer=serialize
+        )
+
+
 class Role(Protocol):
     """A worker role's servicers, built once the engine is loaded."""
 
@@ -309,7 +369,9 @@ async def serve(settings: WorkerSettings, make_role: Any) -> int:
     # Both ports are taken before the model loads, so a port in use fails in a second rather
     # than after a long load. Servicers are registered later, before start().
     server = grpc.aio.server(
-        options=kv_channel_options(), compression=grpc.Compression.NoCompression
+        options=kv_channel_options(),
+        compression=grpc.Compression.NoCompression,
+        interceptors=(RefuseUnparseable(),),
     )
     try:
         port = server.add_insecure_port(f"{settings.host}:{settings.port}")

@@ -518,13 +518,14 @@ class LLMEngine:
         return out
 
     @staticmethod
-    def _advance_grammar(seq: Sequence, token: int) -> str | None:
+    def _advance_grammar(seq: Sequence, token: int, imported: bool = False) -> str | None:
         """Feeds an output token to the sequence's matcher: "stop" once the grammar is complete
         (nothing but EOS could follow), "error" for a token it refuses (never sampled under
-        its mask: an imported first token, or a matcher that failed)."""
+        its mask: a matcher that failed; an `imported` first token, which start_decode refuses
+        and whose parser state is not this worker's fault to log)."""
         # consume_token accepts EOS from a matcher in an error state: check is_error too.
         if not seq.matcher.consume_token(token) or seq.matcher.is_error():
-            log.error(
+            (log.debug if imported else log.error)(
                 "request %s: token %d breaks its grammar: %s",
                 seq.request_id,
                 token,
@@ -719,6 +720,16 @@ class LLMEngine:
         if not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first_token: {first_token} is outside the vocabulary")
         seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
+        grammar_reason = None
+        if seq.matcher is not None:
+            # The prefill worker sampled first_token under the same grammar's mask, so a token
+            # it refuses is the caller's error (INVALID_ARGUMENT), not a generation that ends
+            # with finish_reason "error". The sequence is not registered yet: nothing to undo.
+            grammar_reason = self._advance_grammar(seq, first_token, imported=True)
+            if grammar_reason == "error":
+                raise ValueError(
+                    f"first_token: {first_token} is not allowed by the request's grammar"
+                )
         with self._lock:
             r = self._reservations.get(request_id)
             if r is None:
@@ -749,9 +760,7 @@ class LLMEngine:
             self.scheduler.add_running(seq)
             self.scheduler.mark_computed(seq, len(prompt_token_ids))  # publishes prompt blocks
             seq.token_ids.append(first_token)
-            reason = self._stop_reason(seq, first_token)
-            if seq.matcher is not None:
-                reason = self._advance_grammar(seq, first_token) or reason
+            reason = grammar_reason or self._stop_reason(seq, first_token)
             if reason is not None:
                 self._finish(seq, reason)
                 self._outputs.append(self._output(seq, None, None))

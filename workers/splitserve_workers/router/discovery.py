@@ -13,6 +13,8 @@ import socket
 from abc import ABC, abstractmethod
 from typing import cast
 
+from splitserve_workers.protocol import endpoint_problem
+
 ROLES = ("prefill", "decode", "colocated")
 
 log = logging.getLogger("splitserve.router")
@@ -28,9 +30,8 @@ def split_endpoints(text: str | list[str] | None) -> list[str]:
         item = item.strip()
         if not item:
             continue
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"endpoint {item!r} is not host:port")
+        if (why := endpoint_problem(item)) is not None:
+            raise ValueError(f"endpoint {item!r} {why}")
         out.append(item)
     return out
 
