@@ -21,6 +21,11 @@ from splitserve_workers.cli import main
         (["--empty-pool-wait", "-1"], "empty_pool_wait"),
         (["--drain-timeout", "-1"], "drain_timeout"),
         (["--write-timeout", "-1"], "write_timeout"),
+        # NaN compares false with everything: it used to pass `value < minimum` and start.
+        (["--poll-interval", "nan"], "poll_interval"),
+        (["--admission-timeout", "nan"], "admission_timeout"),
+        (["--drain-timeout", "nan"], "drain_timeout"),
+        (["--write-timeout", "nan"], "write_timeout"),
     ],
 )
 def test_out_of_range_flag_exits_2_naming_the_field(

@@ -1394,7 +1394,7 @@ def check_flags(args: argparse.Namespace) -> None:
         ("write_timeout", args.write_timeout, 0),
     ]
     for name, value, minimum in minimums:
-        if value is not None and value < minimum:
+        if value is not None and not value >= minimum:  # nan too: it compares false
             raise ConfigError(f"{name}: {value} is below the minimum {minimum}")
 
 
