@@ -238,6 +238,22 @@ async def test_undecodable_body_is_answered_without_an_error_log(
         assert any("could not be read" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("value", ["x", 5, True, [{"regex": "a"}]])
+async def test_structured_outputs_that_is_no_object_is_a_400(
+    client: TestClient, path: str, value: object
+) -> None:
+    # It was read with .get() before its type was checked: a 500 AttributeError.
+    prompt = (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
+    r = await client.post(path, json={**prompt, "structured_outputs": value})
+    assert r.status == 400, await r.text()
+    error = (await r.json())["error"]
+    assert (error["param"], error["code"]) == ("structured_outputs", "invalid_type")
+    assert "'structured_outputs' must be an object" in error["message"]
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [("user", 12), ("service_tier", ["auto"]), ("store", "yes"), ("metadata", {"k": 1})],

@@ -612,8 +612,9 @@ def _grammar(body: dict[str, Any]) -> tuple[str | None, str | None]:
                 "'structured_outputs' and a JSON 'response_format' cannot both be given",
             )
     if structured is not None:
-        kind = next((k for k in _STRUCTURED_KINDS if structured.get(k) is not None), None)
-        return _structured_outputs(structured), f"structured_outputs.{kind}"
+        grammar = _structured_outputs(structured)  # type-checked there, then read here
+        kind = next(k for k in _STRUCTURED_KINDS if structured.get(k) is not None)
+        return grammar, f"structured_outputs.{kind}"
     if response_format is None:
         return None, None
     found = _response_format(response_format)
