@@ -255,6 +255,23 @@ async def test_structured_outputs_that_is_no_object_is_a_400(
 
 
 @pytest.mark.parametrize(
+    "key", ["0" * 4300 + "1", "0" * 5000, "00000000001", "4294967296", "1e3", "-1", ""]
+)
+async def test_a_logit_bias_key_that_is_no_token_id_is_a_400(client: TestClient, key: str) -> None:
+    # int() of more than 4300 digits raises ValueError, leading zeros included (a 500, when
+    # the length was measured without them).
+    r = await client.post("/v1/completions", json={"prompt": "a", "logit_bias": {key: 1}})
+    assert r.status == 400, await r.text()
+    error = (await r.json())["error"]
+    assert error["param"] == "logit_bias" and "keys must be token ids" in error["message"]
+
+
+def test_logit_bias_keys_may_have_leading_zeros_and_spaces() -> None:
+    req = api.parse_completion({"prompt": "a", "logit_bias": {"0007": 5, " 12 ": -1}})
+    assert req.logit_bias == {7: 5.0, 12: -1.0}
+
+
+@pytest.mark.parametrize(
     ("name", "value"),
     [("user", 12), ("service_tier", ["auto"]), ("store", "yes"), ("metadata", {"k": 1})],
 )

@@ -233,9 +233,10 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, bias in value.items():
         token = key.strip()
-        # Length first: int() of a string over 4300 digits raises ValueError (a 500).
+        # Length first, leading zeros included (INT32_MAX has 10 digits): int() of a string
+        # over 4300 digits raises ValueError (a 500), "000...01" too.
         digits = token.isascii() and token.isdigit()
-        if not digits or len(token.lstrip("0")) > 10 or int(token) > INT32_MAX:
+        if not digits or len(token) > 10 or int(token) > INT32_MAX:
             raise invalid(
                 "logit_bias", f"'logit_bias' keys must be token ids, got {json.dumps(key)[:40]}"
             )
