@@ -238,6 +238,35 @@ async def test_undecodable_body_is_answered_without_an_error_log(
         assert any("could not be read" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
+        (
+            {
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": 1},
+            },
+            "stream_options.continuous_usage_stats",
+        ),
+        (
+            {"structured_outputs": {"regex": "a", "disable_any_whitespace": "no"}},
+            "structured_outputs.disable_any_whitespace",
+        ),
+        ({"metadata": {"team": "a", "cost": 1}}, "metadata.cost"),
+    ],
+)
+def test_an_error_in_a_nested_field_names_its_whole_path(extra: dict, param: str) -> None:
+    # The field's own name alone ("include_usage") does not say where in the body it is.
+    with pytest.raises(api.APIError) as err:
+        api.parse_completion({"prompt": "x", **extra})
+    assert (err.value.status, err.value.param, err.value.code) == (400, param, "invalid_type")
+    assert f"'{param}'" in err.value.message
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize("value", ["x", 5, True, [{"regex": "a"}]])
 async def test_structured_outputs_that_is_no_object_is_a_400(
@@ -273,7 +302,7 @@ def test_logit_bias_keys_may_have_leading_zeros_and_spaces() -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("user", 12), ("service_tier", ["auto"]), ("store", "yes"), ("metadata", {"k": 1})],
+    [("user", 12), ("service_tier", ["auto"]), ("store", "yes"), ("metadata", ["k"])],
 )
 def test_ignored_fields_are_still_type_checked(name: str, value: object) -> None:
     with pytest.raises(api.APIError) as err:
@@ -420,7 +449,10 @@ def test_newer_openai_fields_are_accepted_and_type_checked() -> None:
     assert req.include_usage
     for bad, param in [
         ({"safety_identifier": 7}, "safety_identifier"),
-        ({"stream": True, "stream_options": {"include_obfuscation": "no"}}, "include_obfuscation"),
+        (
+            {"stream": True, "stream_options": {"include_obfuscation": "no"}},
+            "stream_options.include_obfuscation",
+        ),
     ]:
         with pytest.raises(api.APIError) as err:
             api.parse_chat({"messages": messages, **bad})

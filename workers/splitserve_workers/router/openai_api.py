@@ -190,12 +190,14 @@ def _float(
     return value
 
 
-def _bool(body: dict[str, Any], name: str) -> bool | None:
+def _bool(body: dict[str, Any], name: str, within: str = "") -> bool | None:
+    """body[name], a boolean or absent; `within`: the field `body` is (errors name
+    `within.name`)."""
     value = body.get(name)
     if value is None:
         return None
     if not isinstance(value, bool):
-        raise _wrong_type(name, "a boolean", value)
+        raise _wrong_type(f"{within}.{name}" if within else name, "a boolean", value)
     return value
 
 
@@ -284,10 +286,13 @@ def _check_ignored(body: dict[str, Any]) -> None:
             raise _wrong_type(name, "a string", value)
     _bool(body, "store")
     metadata = body.get("metadata")
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
         raise _wrong_type("metadata", "an object of string values", metadata)
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise _wrong_type(f"metadata.{key}", "a string", value)
 
 
 _COMMON = {
@@ -454,10 +459,10 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
                 param=f"stream_options.{name}",
                 code="unknown_parameter",
             )
-        _bool(options, "include_obfuscation")
-        req.include_usage = bool(_bool(options, "include_usage"))
+        _bool(options, "include_obfuscation", "stream_options")
+        req.include_usage = bool(_bool(options, "include_usage", "stream_options"))
         # vLLM's extension: running totals on every chunk (only with include_usage, as there).
-        continuous = bool(_bool(options, "continuous_usage_stats"))
+        continuous = bool(_bool(options, "continuous_usage_stats", "stream_options"))
         req.continuous_usage = req.include_usage and continuous
     _check_ignored(body)
     priority = body.get("priority")
@@ -568,7 +573,8 @@ def _structured_outputs(value: Any) -> str | None:
                 param=f"structured_outputs.{key}",
                 code="unknown_parameter",
             )
-    _bool(value, "disable_any_whitespace")  # always so here (see engine/grammar.py)
+    # Always so here (see engine/grammar.py).
+    _bool(value, "disable_any_whitespace", "structured_outputs")
     given = [k for k in _STRUCTURED_KINDS if value.get(k) is not None]
     if len(given) != 1:
         raise invalid(
