@@ -300,6 +300,54 @@ def test_logit_bias_keys_may_have_leading_zeros_and_spaces() -> None:
     assert req.logit_bias == {7: 5.0, 12: -1.0}
 
 
+def _chat(*messages: dict) -> dict:
+    return {"messages": [{"role": "user", "content": "x"}, *messages]}
+
+
+def _call(**fields: object) -> dict:
+    """An assistant message with one earlier tool call, `fields` replacing its own."""
+    call: dict = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    return {"role": "assistant", "content": None, "tool_calls": [{**call, **fields}]}
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": "y", "name": 5}, "messages[1].name"),
+        (_call(id=5), "messages[1].tool_calls[0].id"),
+        (_call(type="bogus"), "messages[1].tool_calls[0].type"),
+        (_call(function={"name": 5, "arguments": "{}"}), "messages[1].tool_calls[0].function.name"),
+        (
+            _call(function={"name": "f", "arguments": {"a": 1}}),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (_call(function="f"), "messages[1].tool_calls[0]"),
+    ],
+)
+def test_wrong_types_in_messages_are_400s_naming_the_field(message: dict, param: str) -> None:
+    # They were dropped (a name), replaced (an id) or taken as they came (a type).
+    with pytest.raises(api.APIError) as err:
+        api.parse_chat(_chat(message))
+    assert err.value.status == 400 and err.value.param == param
+    assert f"'{param}'" in err.value.message
+
+
+def test_messages_names_and_earlier_calls_of_the_right_types_are_kept() -> None:
+    req = api.parse_chat(_chat({"role": "user", "content": "y", "name": "bob"}, _call()))
+    assert req.messages is not None
+    assert req.messages[1]["name"] == "bob"
+    assert req.messages[2]["tool_calls"][0]["id"] == "call_1"
+    # id and type may be left out, as before: the call gets an id of its own.
+    bare = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    req = api.parse_chat(_chat(bare))
+    assert req.messages is not None
+    assert req.messages[1]["tool_calls"][0] == {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "f", "arguments": {}},
+    }
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [("user", 12), ("service_tier", ["auto"]), ("store", "yes"), ("metadata", ["k"])],

@@ -728,8 +728,11 @@ def _message_text(i: int, message: Any) -> dict[str, Any]:
     elif not isinstance(content, str):
         raise _wrong_type(f"{param}.content", "a string or an array of text parts", content)
     out: dict[str, Any] = {"role": role, "content": content}
-    if isinstance(message.get("name"), str):
-        out["name"] = message["name"]
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise _wrong_type(f"{param}.name", "a string", name)
+        out["name"] = name
     if role == "assistant":
         # Reasoning sent back (the field the answer gave it in): templates such as Qwen3's show
         # it for the turns after the last user message.
@@ -754,24 +757,33 @@ def _message_tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
         raise _wrong_type(param, "an array", calls)
     out = []
     for j, call in enumerate(calls):
+        at = f"{param}[{j}]"
         function = call.get("function") if isinstance(call, dict) else None
-        if not (
-            isinstance(function, dict)
-            and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments"), str)
-        ):
+        if not isinstance(function, dict):
             raise _wrong_type(
-                f"{param}[{j}]",
+                at,
                 'a tool call ({"id", "type": "function", "function": {"name", "arguments"}})',
                 call,
             )
+        # id and type may be left out (the call then gets an id of its own), but not be
+        # something else: OpenAI refuses that too.
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise _wrong_type(f"{at}.id", "a string", call_id)
+        kind = call.get("type")
+        if kind is not None and kind != "function":
+            got = json.dumps(kind)[:40]
+            raise invalid(f"{at}.type", f"'{at}.type' must be function, got {got}")
+        for key in ("name", "arguments"):
+            if not isinstance(function.get(key), str):
+                raise _wrong_type(f"{at}.function.{key}", "a string", function.get(key))
         try:
             arguments: Any = json.loads(function["arguments"])
         except ValueError:
             arguments = function["arguments"]
         out.append(
             {
-                "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{j}",
+                "id": f"call_{j}" if call_id is None else call_id,
                 "type": "function",
                 "function": {"name": function["name"], "arguments": arguments},
             }
