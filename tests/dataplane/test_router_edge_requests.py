@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import json
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -346,6 +347,23 @@ def test_messages_names_and_earlier_calls_of_the_right_types_are_kept() -> None:
         "type": "function",
         "function": {"name": "f", "arguments": {}},
     }
+
+
+async def test_arguments_too_deep_to_parse_reach_the_template_as_text(client: TestClient) -> None:
+    # Valid JSON nested deeper than the parser's stack (a RecursionError, answered as a 500)
+    # is kept as the text it is, as arguments that are not JSON are: what the model wrote.
+    depth = sys.getrecursionlimit() + 10
+    deep = "[" * depth + "]" * depth
+    body = _chat(_call(function={"name": "f", "arguments": deep}))
+    req = api.parse_chat(body)
+    assert req.messages is not None
+    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == deep
+    r = await client.post("/v1/chat/completions", json=body)
+    # Parsed, rendered and tokenized: refused only for its length (this router's context is
+    # 1024 tokens).
+    error = (await r.json())["error"]
+    assert r.status == 400 and error["code"] == "context_length_exceeded", error
+    assert "tokens, leaving no room" in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -779,7 +779,9 @@ def _message_tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
                 raise _wrong_type(f"{at}.function.{key}", "a string", function.get(key))
         try:
             arguments: Any = json.loads(function["arguments"])
-        except ValueError:
+        # Arguments that do not parse (broken JSON, or JSON nested deeper than the parser's
+        # stack) reach the template as the text they are: they are what the model wrote.
+        except (ValueError, RecursionError):
             arguments = function["arguments"]
         out.append(
             {
