@@ -58,13 +58,15 @@ async def router_runner(tiny_model: Path) -> AsyncIterator[int]:
         await runner.cleanup()
 
 
-async def raw_exchange(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+async def raw_exchange(
+    port: int, request: bytes, timeout: float = 30
+) -> tuple[int, dict[str, str], bytes]:
     """Send `request` as-is on a fresh connection; (status, headers, body) of the answer, read
     until the server closes the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(request)
     await writer.drain()
-    raw = await asyncio.wait_for(reader.read(), 30)  # the error answer closes the connection
+    raw = await asyncio.wait_for(reader.read(), timeout)  # the error answer closes the connection
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
     status_line, *lines = head.decode("latin-1").split("\r\n")
@@ -526,20 +528,70 @@ def test_newer_openai_fields_are_accepted_and_type_checked() -> None:
 
 
 class _ScriptedFlow:
-    """A flow that yields the given chunks (what the workers would have sent)."""
+    """A flow that yields the given chunks (what the workers would have sent), then raises
+    `error` if one is given (a worker failing mid-stream)."""
 
-    def __init__(self, chunks: list) -> None:
+    def __init__(self, chunks: list, error: Exception | None = None) -> None:
         from splitserve_workers.router.flow import FlowStats
 
         self.chunks = chunks
+        self.error = error
         self.stats = FlowStats()
 
     def tokens(self) -> AsyncIterator:
         async def gen() -> AsyncIterator:
             for chunk in self.chunks:
                 yield chunk
+            if self.error is not None:
+                raise self.error
 
         return gen()
+
+
+def _streaming(version: bytes, body: dict) -> bytes:
+    data = json.dumps({**body, "stream": True}).encode()
+    return (
+        b"POST /v1/completions HTTP/%s\r\nHost: x\r\nConnection: keep-alive\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (version, len(data))
+    ) + data
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["whole", "worker fails mid-stream"])
+async def test_a_stream_to_an_http10_client_ends_with_its_connection(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    # HTTP/1.0 has no chunked framing: a stream's end is its connection's. With `Connection:
+    # keep-alive` aiohttp kept the connection open after [DONE], and the client waited for
+    # more (an answer to its next request would have been read as more of this one's body).
+    from splitserve_workers.router import app
+    from splitserve_workers.router.flow import FlowError, TokenChunk
+
+    chunks = [TokenChunk([300]), TokenChunk([301], finished=not fails, finish_reason="length")]
+    error = FlowError(502, "decode worker failed mid-stream") if fails else None
+    monkeypatch.setattr(app, "Flow", lambda *_a, **_k: _ScriptedFlow(chunks, error))
+    async with router_runner(tiny_model) as port:
+        request = _streaming(b"1.0", {"prompt": "hi", "max_tokens": 2})
+        status, headers, body = await raw_exchange(port, request, timeout=10)
+        assert status == 200 and headers["content-type"] == "text/event-stream"
+        assert "content-length" not in headers and "transfer-encoding" not in headers
+        assert body.endswith(b"data: [DONE]\n\n"), body
+        events = [json.loads(e[6:]) for e in body.split(b"\n\n")[:-2]]
+        if fails:
+            assert events[-1]["error"]["message"] == "decode worker failed mid-stream"
+        else:
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        # HTTP/1.1 keeps its connection: the stream is chunked, and the next request on the
+        # same connection is answered.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_streaming(b"1.1", {"prompt": "hi", "max_tokens": 2}))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert b"Transfer-Encoding: chunked" in head
+        stream = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)
+        assert b"data: [DONE]" in stream
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200") and b'"tiny"' in answer
 
 
 async def test_a_stop_string_the_final_flush_completes_finishes_with_stop(

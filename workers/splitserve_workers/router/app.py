@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_request import BaseRequest
@@ -1185,6 +1185,12 @@ class _Answer:
                     "X-Request-Id": self.rid,
                 }
             )
+            if request.version < HttpVersion11:
+                # HTTP/1.0 has no chunking: the stream's end is the connection's. aiohttp
+                # (3.14) decides so when it writes the headers but does not keep the decision,
+                # so a keep-alive client's connection stayed open after [DONE] and it waited
+                # forever (its next request's answer would have been read as more of this body).
+                response.force_close()
             await response.prepare(request)
             pending = [first] if first is not None else []
             # A tool call's text held back (sent whole at the end) keeps its tokens' logprobs
