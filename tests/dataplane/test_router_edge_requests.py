@@ -406,34 +406,83 @@ async def test_long_prompt_is_tokenized_off_the_event_loop(tiny_model: Path) -> 
         assert answered_meanwhile >= 5, answered_meanwhile
 
 
-async def test_a_prompt_too_long_by_its_size_alone_is_never_tokenized(tiny_model: Path) -> None:
-    # No token of this vocabulary covers more than max_token_bytes of text, so a prompt of
-    # more bytes than 4 x that x the limit cannot fit: refused at once, before the tokenizer
-    # threads (where it would hold up the requests behind it).
+def counting_router(tiny_model: Path) -> tuple[Router, list[int]]:
+    """A router on no workers whose tokenizer records the length of every text it encodes."""
     router = router_on_nothing(tiny_model)
     calls: list[int] = []
     encode = router.tokenizer.encode
 
     def counting_encode(text: str, add_special_tokens: bool = True) -> list[int]:
         calls.append(len(text))
-        return encode(text, add_special_tokens)
+        return encode(text, add_special_tokens)  # type: ignore[no-any-return]
 
     router.tokenizer.encode = counting_encode
+    return router, calls
+
+
+async def test_a_prompt_too_long_by_its_size_alone_is_never_tokenized(tiny_model: Path) -> None:
+    # No token of this vocabulary covers more than max_token_bytes of text, so a prompt of
+    # more bytes than 4 x that x the limit cannot fit: refused at once, before the tokenizer
+    # threads (where it would hold up the requests behind it).
+    router, calls = counting_router(tiny_model)
     bound = 4 * 1024 * router.tokenizer.max_token_bytes
     async with TestClient(TestServer(router.app())) as client:
-        for body, path in [
-            ({"prompt": "a" * (bound + 1)}, "/v1/completions"),
-            ({"messages": [{"role": "user", "content": "é" * (bound // 2 + 1)}]},
-             "/v1/chat/completions"),
-        ]:  # fmt: skip
-            r = await client.post(path, json=body)
-            error = (await r.json())["error"]
-            assert r.status == 400 and error["code"] == "context_length_exceeded"
-            assert f"is {bound + 1 if 'prompt' in body else bound + 2} bytes" in error["message"]
+        r = await client.post("/v1/completions", json={"prompt": "a" * (bound + 1)})
+        error = (await r.json())["error"]
+        assert r.status == 400 and error["code"] == "context_length_exceeded"
+        assert f"your prompt is {bound + 1} bytes" in error["message"]
         assert calls == []
         # Just under the bound it is tokenized (and refused by its token count).
         r = await client.post("/v1/completions", json={"prompt": "a " * (bound // 2)})
         assert r.status == 400 and calls == [bound]
+
+
+async def test_a_chat_too_long_by_its_rendered_size_is_never_tokenized(tiny_model: Path) -> None:
+    # A chat's bound is on its prompt as the template renders it: every message's content, the
+    # tools and the arguments of earlier calls (all shown by this model's template) and the
+    # template's own text. Counting only the contents, megabytes of tool descriptions held the
+    # tokenizer threads for seconds each before the same 400.
+    router, calls = counting_router(tiny_model)
+    bound = 4 * 1024 * router.tokenizer.max_token_bytes
+    user = {"role": "user", "content": "hi"}
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * bound}}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": json.dumps({"text": "t" * bound})},
+    }
+    earlier = {"role": "assistant", "content": None, "tool_calls": [call]}
+    async with TestClient(TestServer(router.app())) as client:
+        for body, shown in [
+            ({"messages": [{"role": "user", "content": "é" * (bound // 2 + 1)}]}, "messages"),
+            ({"messages": [user], "tools": [tool]}, "messages and tools"),
+            ({"messages": [user, earlier, {"role": "user", "content": "go on"}]}, "messages"),
+        ]:
+            r = await client.post("/v1/chat/completions", json=body)
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["code"] == "context_length_exceeded", error
+            assert error["param"] == "messages"
+            rendered = router._chat_text(api.parse_chat(body, tool_parser="hermes"))
+            size = len(rendered.encode())
+            assert size > bound
+            assert (
+                f"your {shown}, rendered with the chat template, are {size} bytes"
+                in (error["message"])
+            )
+        assert calls == []
+        # Tools the template is not given (tool_choice none) do not count: this prompt is
+        # tokenized, and refused by its token count.
+        content = "a " * (bound // 4)
+        body = {
+            "messages": [{"role": "user", "content": content}],
+            "tools": [tool],
+            "tool_choice": "none",
+        }
+        r = await client.post("/v1/chat/completions", json=body)
+        error = (await r.json())["error"]
+        assert r.status == 400 and error["code"] == "context_length_exceeded"
+        assert "tokens, leaving no room" in error["message"]
+        assert len(calls) == 1 and len(content) < calls[0] < bound
 
 
 async def test_drain_deadline_cuts_a_request_still_being_tokenized(tiny_model: Path) -> None:

@@ -206,9 +206,12 @@ class Router:
         self.in_flight = 0
         self.draining = False
         self.answers: set[_Answer] = set()  # requests generating now (the drain deadline cuts)
-        # Prompts are tokenized (and chat templates rendered) here; two threads, so a burst of
-        # long prompts queues instead of taking every core from the event loop.
+        # Prompts are tokenized here; two threads, so a burst of long prompts queues instead of
+        # taking every core from the event loop.
         self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        # Chat templates are rendered here, before the size check that may refuse the prompt
+        # at once: not queued behind the tokenizer threads' long jobs.
+        self.render_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="render")
         # Handlers waiting for their prompt's tokens -> why they were cut (None: not cut).
         self.tokenizing: dict[asyncio.Task[Any], str | None] = {}
         self.eos_token_ids: list[int] = list(getattr(tokenizer, "eos_token_ids", []) or [])
@@ -251,6 +254,7 @@ class Router:
         for pool in self.pools.values():
             await pool.close()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.render_pool.shutdown(wait=False, cancel_futures=True)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -405,29 +409,34 @@ class Router:
                 f"'logit_bias' token id {bad[0]} is out of the vocabulary (size {self.vocab_size})",
             )
 
+    def _chat_text(self, req: api.GenerationRequest) -> str:
+        """A chat request's prompt: its messages rendered with the model's chat template."""
+        assert req.messages is not None
+        try:
+            # The tools (unless tool_choice is none) go to the template, which shows them to the
+            # model.
+            extra = {"tools": req.tools} if req.tools else {}
+            return self.tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **req.template_kwargs,
+                **extra,
+            )
+        except NoChatTemplate as e:  # the model's fault, not the messages'
+            raise api.APIError(400, str(e), code="no_chat_template") from e
+        except Exception as e:  # a template may reject a message order (raise_exception)
+            raise api.invalid("messages", f"chat template rejected the messages: {e}") from e
+
     def _prompt_ids(
-        self, req: api.GenerationRequest, i: int, prompt: str | list[int] | None
+        self, req: api.GenerationRequest, i: int, prompt: str | list[int]
     ) -> tuple[list[int], str]:
-        """Token ids and the prompt text (for echo) of chat's messages (prompt None) or of the
+        """Token ids and the prompt text (for echo) of chat's rendered prompt or of the
         completion prompt `i`."""
         if req.kind == "chat":
-            assert req.messages is not None
-            try:
-                # Tools (forced calls only) go to the template, which shows them to the model.
-                extra = {"tools": req.tools} if req.tools else {}
-                text = self.tokenizer.apply_chat_template(
-                    req.messages,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    **req.template_kwargs,
-                    **extra,
-                )
-            except NoChatTemplate as e:  # the model's fault, not the messages'
-                raise api.APIError(400, str(e), code="no_chat_template") from e
-            except Exception as e:  # a template may reject a message order (raise_exception)
-                raise api.invalid("messages", f"chat template rejected the messages: {e}") from e
+            assert isinstance(prompt, str)
             # The template writes its own BOS.
-            return self.tokenizer.encode(text, add_special_tokens=False), text
+            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
         if isinstance(prompt, list):
             if self.vocab_size is not None:
                 bad = [t for t in prompt if t >= self.vocab_size]
@@ -439,7 +448,6 @@ class Router:
                         f"(size {self.vocab_size})",
                     )
             return list(prompt), self.tokenizer.decode(prompt)
-        assert prompt is not None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         if not ids:
             # OpenAI and vLLM take "" as the BOS token alone; a tokenizer without one leaves
@@ -450,22 +458,29 @@ class Router:
             )
         return ids, prompt
 
-    def _all_prompt_ids(self, req: api.GenerationRequest) -> list[tuple[list[int], str]]:
-        if req.kind == "chat":
-            return [self._prompt_ids(req, 0, None)]
-        return [self._prompt_ids(req, i, p) for i, p in enumerate(req.prompts)]
+    def _all_prompt_ids(
+        self, req: api.GenerationRequest, prompts: list[str | list[int]]
+    ) -> list[tuple[list[int], str]]:
+        return [self._prompt_ids(req, i, p) for i, p in enumerate(prompts)]
 
     async def _tokenize(self, req: api.GenerationRequest) -> list[tuple[list[int], str]]:
         """_all_prompt_ids off the event loop: a prompt of megabytes takes seconds to tokenize,
-        and every other stream, /health and /ready would wait for it. Meanwhile the request is
-        in `tokenizing`, where the drain deadline finds it too (cut_in_flight)."""
-        self._refuse_certainly_too_long(req)
+        and every other stream, /health and /ready would wait for it. A chat's messages are
+        rendered first, on a thread of the render pool (a render takes milliseconds: it is
+        not queued behind the tokenizer threads' seconds), so that the size check sees all
+        the text the template puts in the prompt. Meanwhile the request is in `tokenizing`,
+        where the drain deadline finds it too (cut_in_flight)."""
         task = asyncio.current_task()
         assert task is not None
         self.tokenizing[task] = None
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.tokenize_pool, self._all_prompt_ids, req
+            prompts: list[str | list[int]] = list(req.prompts)
+            if req.kind == "chat":
+                prompts = [await loop.run_in_executor(self.render_pool, self._chat_text, req)]
+            self._refuse_certainly_too_long(req, prompts)
+            return await loop.run_in_executor(
+                self.tokenize_pool, self._all_prompt_ids, req, prompts
             )
         except asyncio.CancelledError:
             why = self.tokenizing.get(task)
@@ -478,30 +493,38 @@ class Router:
         finally:
             self.tokenizing.pop(task, None)
 
-    def _refuse_certainly_too_long(self, req: api.GenerationRequest) -> None:
+    def _refuse_certainly_too_long(
+        self, req: api.GenerationRequest, prompts: list[str | list[int]]
+    ) -> None:
         """A prompt whose text alone proves it longer than the context is refused before the
         tokenizer threads spend seconds on it (and other requests queue behind it): no token
         covers more than the vocabulary's longest token's bytes, so a text of more bytes than
-        that times the limit (times 4, for normalizers that shrink text) cannot fit."""
+        that times the limit (times 4, for normalizers that shrink text) cannot fit. A chat's
+        text is its rendered prompt: every message's content, the tools and earlier calls'
+        arguments as far as the template shows them, and the template's own text."""
         if not self.tokenizer.spells_every_byte:
             return
-        texts = (
-            {req.prompt_label(i): p for i, p in enumerate(req.prompts) if isinstance(p, str)}
-            if req.kind != "chat"
-            else {"messages": "".join(m.get("content", "") for m in req.messages or [])}
-        )
         limit = self.options.max_model_len
-        for label, text in texts.items():
+        for i, text in enumerate(prompts):
+            if not isinstance(text, str):
+                continue
             size = len(text.encode("utf-8", "surrogatepass"))
-            if size > 4 * limit * self.tokenizer.max_token_bytes:
-                raise api.APIError(
-                    400,
-                    f"This model's maximum context length is {limit} tokens. However, your "
-                    f"{label} is {size} bytes, more than {limit} tokens can hold. "
-                    f"Please shorten the {label}.",
-                    param=label,
-                    code="context_length_exceeded",
-                )
+            if size <= 4 * limit * self.tokenizer.max_token_bytes:
+                continue
+            label = req.prompt_label(i)
+            what, fields = f"{label} is", f"the {label}"
+            if req.kind == "chat":
+                shown = "messages and tools" if req.tools else "messages"
+                what = f"{shown}, rendered with the chat template, are"
+                fields = "the messages or the tools" if req.tools else "the messages"
+            raise api.APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{what} {size} bytes, more than {limit} tokens can hold. Please shorten "
+                f"{fields}.",
+                param=label,
+                code="context_length_exceeded",
+            )
 
     def _check_length(self, req: api.GenerationRequest, n_prompt: int, label: str) -> int:
         limit = self.options.max_model_len
