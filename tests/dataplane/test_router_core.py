@@ -697,8 +697,14 @@ class _Refusing:
     """A worker whose Prefill or Complete call refuses the request as an engine does a prompt
     over its limits (INVALID_ARGUMENT), or serves it (raises _Stop) when `serves`."""
 
-    def __init__(self, name: str, calls: list[str], serves: bool = False) -> None:
-        self.name, self.calls, self.serves = name, calls, serves
+    def __init__(
+        self,
+        name: str,
+        calls: list[str],
+        serves: bool = False,
+        details: str = "prompt_token_ids: 20 tokens, more than max_model_len 16",
+    ) -> None:
+        self.name, self.calls, self.serves, self.details = name, calls, serves, details
 
     def _call(self, req: Any, **_: Any) -> Any:
         self.calls.append(self.name)
@@ -716,7 +722,7 @@ class _Refusing:
             grpc.StatusCode.INVALID_ARGUMENT,
             grpc.aio.Metadata(),
             grpc.aio.Metadata(),
-            details="prompt_token_ids: 20 tokens, more than max_model_len 16",
+            details=self.details,
         )
 
     def cancel(self) -> bool:
@@ -724,6 +730,19 @@ class _Refusing:
 
     async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
         return pb.AbortResponse()
+
+
+def _refusing_pools(role: str, calls: list[str], **refusal: Any) -> dict[str, WorkerPool]:
+    """Two `role` workers (a:1, b:1) that refuse every request (_Refusing), and for prefill a
+    decode pool that takes its reservations."""
+    pool = fake_pool(role, {"a:1": (64, 64), "b:1": (64, 32)})
+    for endpoint, worker in pool.workers.items():
+        worker.stub = _Refusing(endpoint, calls, **refusal)
+    pools: dict[str, WorkerPool] = {role: pool}
+    if role == "prefill":
+        pools["decode"] = fake_pool("decode", {"d:1": (64, 64)})
+        pools["decode"].workers["d:1"].stub = _DecodeAt("d:1", [])
+    return pools
 
 
 @pytest.mark.parametrize("role", ["prefill", "colocated"])
@@ -735,13 +754,8 @@ async def test_a_worker_refusing_the_prompt_is_the_clients_400_not_a_failed_work
     # worker refusing it: a 400 that quotes why, each asked once; never a 502 after asking the
     # same worker again, and the worker stays in picking for everyone else.
     calls: list[str] = []
-    pool = fake_pool(role, {"a:1": (64, 64), "b:1": (64, 32)})
-    for endpoint, worker in pool.workers.items():
-        worker.stub = _Refusing(endpoint, calls)
-    pools: dict[str, WorkerPool] = {role: pool}
-    if role == "prefill":
-        pools["decode"] = fake_pool("decode", {"d:1": (64, 64)})
-        pools["decode"].workers["d:1"].stub = _DecodeAt("d:1", [])
+    pools = _refusing_pools(role, calls)
+    pool = pools[role]
     req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=4), 0)
     flow = Flow(req, FlowSettings(empty_pool_wait_seconds=0.2), **pools)  # type: ignore[arg-type]
     with pytest.raises(FlowError) as info:
@@ -760,6 +774,29 @@ async def test_a_worker_refusing_the_prompt_is_the_clients_400_not_a_failed_work
         async for _ in flow.tokens():
             pass
     assert calls == ["a:1", "b:1"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "colocated"])
+async def test_a_grammar_a_worker_refuses_is_a_400_naming_its_field(role: str) -> None:
+    # A grammar that compiles but fails in the workers' grammar engine (a lexer limit at its
+    # first token): the 400 names the request field it came from, and asks no other worker.
+    calls: list[str] = []
+    details = "grammar: lexer error: too many expressions constructed (at the first token)"
+    pools = _refusing_pools(role, calls, details=details)
+    sampling = pb.SamplingParams(max_tokens=4, grammar="start: /(a{1000}){1000}/")
+    param = "structured_outputs.regex"
+    req = FlowRequest("r", list(range(5, 25)), sampling, 0, grammar_param=param)
+    flow = Flow(req, FlowSettings(), **pools)  # type: ignore[arg-type]
+    with pytest.raises(FlowError) as info:
+        async for _ in flow.tokens():
+            pass
+    e = info.value
+    assert (e.status, e.code, e.param) == (400, "invalid_value", "structured_outputs.regex")
+    assert e.message == (
+        "'structured_outputs.regex' cannot be used: lexer error: too many expressions "
+        "constructed (at the first token)"
+    )
+    assert len(calls) == 1
 
 
 def test_logprobs_requests_parse_as_openai_defines_them() -> None:

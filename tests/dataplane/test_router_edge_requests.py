@@ -286,6 +286,35 @@ async def test_structured_outputs_that_is_no_object_is_a_400(
     assert "'structured_outputs' must be an object" in error["message"]
 
 
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice"),
+        ({"tools": [_tool("f"), _tool("g")], "tool_choice": "required"}, "tools"),
+        (
+            {
+                "tools": [_tool("f"), _tool("g")],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tools[1].function.parameters",
+        ),
+    ],
+)
+def test_a_constraint_knows_the_field_it_came_from(extra: dict, param: str) -> None:
+    # What a worker's refusal of the grammar names (flow.py): the field to change.
+    req = api.parse_chat({"messages": [{"role": "user", "content": "x"}], **extra})
+    assert req.grammar is not None and req.grammar_param == param
+
+
 @pytest.mark.parametrize(
     "key", ["0" * 4300 + "1", "0" * 5000, "00000000001", "4294967296", "1e3", "-1", ""]
 )

@@ -456,14 +456,29 @@ def test_completions_take_no_tools(stack: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("pool", ["base", "colocated"])
-def test_a_grammar_the_workers_cannot_start_is_a_400(stack: dict[str, Any], pool: str) -> None:
-    # The router's check compiles it, but no token can begin it: the worker refuses it at
-    # once (its first mask), and the router answers 400 without retrying elsewhere. It used
-    # to be a 200 with "" and finish_reason "stop".
-    body = {"messages": MESSAGES, "structured_outputs": {"regex": "[^\\s\\S]"}}
+@pytest.mark.parametrize(
+    ("regex", "why"),
+    [
+        # No token can begin it: refused when the worker compiles it (its first mask). It used
+        # to be a 200 with "" and finish_reason "stop".
+        ("[^\\s\\S]", ""),
+        # A lexer limit met at the first token: the prefill worker's 400 had no param and
+        # pointed the client at the worker's log, the colocated worker's was a 502.
+        ("(a{1000}){1000}", "lexer error: too many expressions constructed (at the first token)"),
+    ],
+)
+def test_a_grammar_the_workers_cannot_start_is_a_400(
+    stack: dict[str, Any], pool: str, regex: str, why: str
+) -> None:
+    # The router's check compiles it, but the workers' grammar engine cannot start it: the
+    # router answers 400 naming the field, without retrying elsewhere.
+    body = {"messages": MESSAGES, "structured_outputs": {"regex": regex}, "max_tokens": 2}
     r = httpx.post(stack[pool] + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
-    assert "constraint" in _error(r)["message"]
+    err = _error(r)
+    assert err["param"] == "structured_outputs.regex"
+    assert err["message"].startswith("'structured_outputs.regex' cannot be used: ")
+    assert err["message"].endswith(why) and "log" not in err["message"]
 
 
 def test_a_grammar_complete_at_max_tokens_is_a_stop(stack: dict[str, Any]) -> None:

@@ -58,7 +58,7 @@ class ColocatedRole:
             await context.abort(invalid, str(e))
             return
         self._active += 1
-        finished = False
+        finished = sent = False
         try:
             while not finished:
                 try:
@@ -67,8 +67,12 @@ class ColocatedRole:
                     finished = True
                     await context.abort(e.status, str(e))
                     return
+                if not sent and (why := rt.grammar_failed(outs)) is not None:
+                    finished = True
+                    await context.abort(invalid, why)
                 ev = rt.token_event(outs)
                 finished = ev.finished
+                sent = sent or bool(ev.token_ids)
                 yield ev
         finally:
             self._active -= 1

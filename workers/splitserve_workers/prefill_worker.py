@@ -140,14 +140,10 @@ class PrefillRole:
                     finished = True
                     await context.abort(e.status, str(e))
                     return
+                if (why := rt.grammar_failed(outs)) is not None:
+                    finished = True
+                    await context.abort(invalid, why)
                 for o in outs:
-                    if o.finish_reason == "error" and params.grammar is not None:
-                        # Its grammar failed at the first token (a limit of the grammar
-                        # engine): the request's fault, which no other worker would serve.
-                        finished = True
-                        await context.abort(
-                            invalid, "grammar: it failed at the first token (see the worker log)"
-                        )
                     if o.token_id is not None and first is None:
                         # When the engine thread had the token, not when we woke up.
                         compute_end = stream.produced_at or time.monotonic()

@@ -591,6 +591,16 @@ def prompt_logprobs(
     return out
 
 
+def grammar_failed(outputs: list[Any]) -> str | None:
+    """INVALID_ARGUMENT details for a request whose grammar failed at its first token (a limit
+    of the grammar engine, such as a regex too large for its lexer): the request's fault,
+    which no other worker would serve. None when no output says so."""
+    for o in outputs:
+        if o.grammar_error is not None:
+            return f"grammar: {o.grammar_error} (at the first token)"
+    return None
+
+
 def token_event(outputs: list[Any]) -> serving_pb2.TokenEvent:
     """Several engine outputs of one request -> one TokenEvent (tokens batched)."""
     ev = serving_pb2.TokenEvent()

@@ -499,17 +499,24 @@ class LLMEngine:
     ) -> TokenOutput:
         seq.token_ids.append(token)
         reason = "prefill_done" if seq.prefill_only else self._stop_reason(seq, token)
+        grammar_error = None
         if seq.matcher is not None:
             if seq.matcher.is_error():
                 # Failed while computing this step's mask (a limit it hit): its mask allowed
                 # only EOS, so the token is no answer; never report that as "stop".
-                log.error("request %s: grammar failed: %s", seq.request_id, seq.matcher.get_error())
+                grammar_error = seq.matcher.get_error().strip()
+                log.error("request %s: grammar failed: %s", seq.request_id, grammar_error)
+                grammar_error = grammar_error.split("\n")[0]
                 reason = "error"
             elif reason != "prefill_done":
                 reason = self._advance_grammar(seq, token) or reason
+                if reason == "error":
+                    why = seq.matcher.get_error().strip().split("\n")[0]
+                    grammar_error = why or f"token {token} breaks it"
         if reason is not None:
             self._finish(seq, reason)
         out = self._output(seq, token, logprob)
+        out.grammar_error = grammar_error
         out.top_logprobs = top
         if seq.wants_prompt_logprobs and seq.num_output_tokens == 1:
             assert seq.prompt_logprobs is not None and None not in seq.prompt_logprobs

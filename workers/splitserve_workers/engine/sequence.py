@@ -48,6 +48,9 @@ class TokenOutput:
     # With SamplingParams.prompt_logprobs, on the first token's output only: per prompt token
     # after the first, its logprob given the tokens before it and the top alternatives.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]] | None]] | None = None
+    # With finish_reason "error" from the request's grammar: llguidance's reason (a lexer
+    # limit, say), for the worker to answer with.
+    grammar_error: str | None = None
 
 
 _arrival = itertools.count()

@@ -630,6 +630,7 @@ class Router:
                             [] if req.ignore_eos else self.eos_token_ids,
                             max_tokens_explicit=req.max_tokens is not None,
                             max_tokens_param=req.max_tokens_param,
+                            grammar_param=req.grammar_param,
                         ),
                         self.options.flow,
                         prefill=self.pools.get("prefill"),

@@ -30,19 +30,19 @@ from splitserve_workers.router.picking import (
 log = logging.getLogger("splitserve.router")
 
 
-def _grammar_refused(e: BaseException) -> FlowError | None:
+def _grammar_refused(e: BaseException, param: str | None) -> FlowError | None:
     """A worker refusing the request's grammar (INVALID_ARGUMENT "grammar: ..."): a limit of
     the grammar engine the router's check does not reach (a schema of a thousand optional
-    properties, say). Every worker would refuse it, so it is the client's 400, not a retry."""
-    if not (
-        isinstance(e, grpc.aio.AioRpcError)
-        and e.code() == grpc.StatusCode.INVALID_ARGUMENT
-        and (e.details() or "").startswith(("grammar:", "sampling.grammar:"))
-    ):
+    properties, say). Every worker would refuse it, so it is the client's 400, not a retry,
+    naming `param`, the request field the grammar came from."""
+    if not (isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT):
         return None
-    return FlowError(
-        400, f"the output constraint cannot be used: {e.details()}", code="invalid_value"
-    )
+    details = e.details() or ""
+    if not details.startswith(("grammar:", "sampling.grammar:")):
+        return None
+    why = details.split(":", 1)[1].strip()
+    what = f"'{param}'" if param else "the output constraint"
+    return FlowError(400, f"{what} cannot be used: {why}", code="invalid_value", param=param)
 
 
 def _refused(e: BaseException) -> bool:
@@ -128,6 +128,7 @@ class FlowRequest:
     # whose cache is smaller than that limit then ends it with finish_reason "length".
     max_tokens_explicit: bool = True
     max_tokens_param: str = "max_tokens"  # or max_completion_tokens: the field errors name
+    grammar_param: str | None = None  # the request field sampling.grammar came from
 
     @property
     def max_tokens(self) -> int:
@@ -679,7 +680,7 @@ class Flow:
                         raise FlowError(502, "prefill stream ended before the KV transfer was done")
                     break
                 except (grpc.aio.AioRpcError, FlowError) as e:
-                    if (refused := _grammar_refused(e)) is not None:
+                    if (refused := _grammar_refused(e, req.grammar_param)) is not None:
                         raise refused from e
                     last_error = (
                         f"{prefill.load.endpoint}: "
@@ -838,7 +839,8 @@ class Flow:
                         "stream without finishing the request",
                     )
                 except grpc.aio.AioRpcError as e:
-                    if not got_token and (refused := _grammar_refused(e)) is not None:
+                    refused = None if got_token else _grammar_refused(e, req.grammar_param)
+                    if refused is not None:
                         done = True
                         raise refused from e
                     last_error = f"{worker.load.endpoint}: {_rpc_reason(e)}"

@@ -113,6 +113,9 @@ class GenerationRequest:
     # match, in llguidance's format (engine/grammar.py); None = free text.
     grammar: str | None = None
     constraint: str | None = None  # what the grammar came from (for the request log)
+    # The field that holds the constraint, which a worker's refusal of the grammar names
+    # (structured_outputs.regex, response_format.json_schema.schema, tools[2].function.parameters).
+    grammar_param: str | None = None
     # Chat tool calling, forced (tool_choice "required" or a named function): the tools as the
     # chat template receives them, and the mode; the grammar then holds the call's JSON.
     tools: list[dict[str, Any]] | None = None
@@ -486,7 +489,7 @@ def _common(body: dict[str, Any], req: GenerationRequest, header_priority: str |
     if model is not None and not isinstance(model, str):
         raise _wrong_type("model", "a string", model)
     req.model = model or ""
-    req.grammar, req.constraint = _grammar(body)
+    req.grammar, req.constraint, req.grammar_param = _grammar(body)
 
 
 # ---- structured output ---------------------------------------------------------------------
@@ -519,15 +522,16 @@ def _grammar_of(param: str, kind: str, value: Any) -> str:
         raise invalid(param, f"'{param}' cannot be used: {str(e)[:500]}") from None
 
 
-def _response_format(value: Any) -> str | None:
-    """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
+def _response_format(value: Any) -> tuple[str, str] | None:
+    """OpenAI's response_format: text (None), json_object (any JSON object) or json_schema; the
+    grammar and the field it came from."""
     if not isinstance(value, dict):
         raise _wrong_type("response_format", "an object", value)
     kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return _grammar_of("response_format", "json", {"type": "object"})
+        return _grammar_of("response_format", "json", {"type": "object"}), "response_format"
     if kind != "json_schema":
         raise invalid(
             "response_format.type",
@@ -552,7 +556,7 @@ def _response_format(value: Any) -> str | None:
     schema = spec.get("schema", {})  # OpenAI: optional (then any JSON)
     if not isinstance(schema, dict):
         raise _wrong_type(f"{param}.schema", "an object", schema)
-    return _grammar_of(f"{param}.schema", "json", schema)
+    return _grammar_of(f"{param}.schema", "json", schema), f"{param}.schema"
 
 
 # The fields whose parsing compiles a grammar (app.py parses such a request off the event loop).
@@ -562,7 +566,8 @@ CONSTRAINT_FIELDS = frozenset({"response_format", "structured_outputs", "tools",
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _structured_outputs(value: Any) -> str | None:
+def _structured_outputs(value: Any) -> tuple[str, str]:
+    """vLLM's structured_outputs: the grammar and the field it came from."""
     if not isinstance(value, dict):
         raise _wrong_type("structured_outputs", "an object", value)
     for key in sorted(value):
@@ -589,7 +594,7 @@ def _structured_outputs(value: Any) -> str | None:
     if kind == "json_object":
         if item is not True:
             raise _wrong_type(param, "true", item)
-        return _grammar_of(param, "json", {"type": "object"})
+        return _grammar_of(param, "json", {"type": "object"}), param
     if kind == "json":
         if isinstance(item, str):  # vLLM also takes the schema as a JSON string
             try:
@@ -603,29 +608,27 @@ def _structured_outputs(value: Any) -> str | None:
             raise _wrong_type(param, "an array of strings", item)
     elif not isinstance(item, str):
         raise _wrong_type(param, "a string", item)
-    return _grammar_of(param, kind, item)
+    return _grammar_of(param, kind, item), param
 
 
-def _grammar(body: dict[str, Any]) -> tuple[str | None, str | None]:
-    """The request's grammar and what it came from: response_format's type, or
-    structured_outputs.<kind>."""
+def _grammar(body: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """The request's grammar, what it came from (response_format's type, or
+    structured_outputs.<kind>) and the field that holds it."""
     response_format = body.get("response_format")
     structured = body.get("structured_outputs")
-    if response_format is not None and structured is not None:
-        found = _response_format(response_format)
+    found = None if response_format is None else _response_format(response_format)
+    if structured is not None:
         if found is not None:
             raise invalid(
                 "structured_outputs",
                 "'structured_outputs' and a JSON 'response_format' cannot both be given",
             )
-    if structured is not None:
-        grammar = _structured_outputs(structured)  # type-checked there, then read here
-        kind = next(k for k in _STRUCTURED_KINDS if structured.get(k) is not None)
-        return grammar, f"structured_outputs.{kind}"
-    if response_format is None:
-        return None, None
-    found = _response_format(response_format)
-    return found, None if found is None else str(response_format["type"])
+        grammar, param = _structured_outputs(structured)
+        return grammar, param, param
+    if found is None:
+        return None, None, None
+    assert isinstance(response_format, dict)  # (found: it is one)
+    return found[0], str(response_format["type"]), found[1]
 
 
 def _begin(
@@ -943,7 +946,7 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
             calls["maxItems"] = 1
         req.grammar = _grammar_of("tools", "json", calls)
         req.tool_choice = "required"
-        req.constraint = "tool_choice.required"
+        req.constraint, req.grammar_param = "tool_choice.required", "tools"
     else:
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
@@ -961,6 +964,7 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
         req.grammar = _grammar_of("tools", "json", by_name[name])
         req.tool_choice = name
         req.constraint = "tool_choice.function"
+        req.grammar_param = f"tools[{list(by_name).index(name)}].function.parameters"
     req.tools = tools
 
 
