@@ -799,6 +799,81 @@ async def test_a_grammar_a_worker_refuses_is_a_400_naming_its_field(role: str) -
     assert len(calls) == 1
 
 
+class ScriptedCall:
+    """A streaming call's answer: these events, then `error` if given (test_router_metrics.py
+    uses it too)."""
+
+    def __init__(self, events: list[Any], error: grpc.aio.AioRpcError | None = None) -> None:
+        self.events, self.error = list(events), error
+
+    def __aiter__(self) -> ScriptedCall:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.events:
+            return self.events.pop(0)
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
+
+    def cancel(self) -> bool:
+        return False
+
+
+class _SplitWorkers:
+    """A prefill worker that answers with a first token and a finished transfer, and a decode
+    worker whose Generate refuses with INVALID_ARGUMENT: the skew between pools that no real
+    pair of this version's workers produces (a prefill side that did not hold its first token
+    to the grammar), hence fakes. Records each Abort's `routine` flag."""
+
+    def __init__(self) -> None:
+        self.aborts: list[tuple[str, bool]] = []
+
+    def Prefill(self, req: pb.PrefillRequest, **_: Any) -> Any:
+        first = pb.PrefillEvent(first_token=pb.FirstToken(token_id=7))
+        done = pb.PrefillEvent(transfer_done=pb.TransferDone(bytes=1))
+        return ScriptedCall([first, done])
+
+    async def Reserve(self, req: pb.ReserveRequest, timeout: float) -> pb.ReserveResponse:
+        return pb.ReserveResponse(accepted=True, free_blocks=10)
+
+    def Generate(self, req: pb.GenerateRequest, **_: Any) -> Any:
+        details = "first_token: 7 is not allowed by the request's grammar"
+        md = grpc.aio.Metadata()
+        refused = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, md, md, details)
+        return ScriptedCall([], refused)
+
+    async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
+        self.aborts.append((req.request_id, req.routine))
+        return pb.AbortResponse()
+
+
+async def test_a_decode_worker_refusing_generate_stays_in_picking() -> None:
+    # A decode worker answering Generate with INVALID_ARGUMENT refuses that request, as a
+    # prefill worker refusing a prompt does: the first token is out, so the client gets a 502,
+    # but the worker is not taken out of picking (every constrained request of a skewed
+    # rollout would otherwise take one out, until the pool was empty). The request ended
+    # there, so the decode reservation's Abort is routine.
+    workers = _SplitWorkers()
+    prefill = fake_pool("prefill", {"p:1": (64, 64)})
+    decode = fake_pool("decode", {"d:1": (64, 64)})
+    prefill.workers["p:1"].stub = decode.workers["d:1"].stub = workers  # type: ignore[assignment]
+    req = FlowRequest("r", list(range(5, 25)), pb.SamplingParams(max_tokens=4), 0)
+    flow = Flow(req, FlowSettings(), prefill=prefill, decode=decode)
+    tokens = []
+    with pytest.raises(FlowError) as info:
+        async for chunk in flow.tokens():
+            tokens.extend(chunk.token_ids)
+    assert info.value.status == 502 and "is not allowed by" in info.value.message
+    assert tokens == [7]
+    assert decode.workers["d:1"].load.healthy and decode.ready()
+    for _ in range(100):  # the Aborts are fire-and-forget tasks
+        if workers.aborts:
+            break
+        await asyncio.sleep(0.01)
+    assert [routine for _, routine in workers.aborts] == [True]
+
+
 def test_logprobs_requests_parse_as_openai_defines_them() -> None:
     # Legacy completions: logprobs N (0-5) = the sampled token's logprob plus the N most likely.
     req = api.parse_completion({"prompt": "x", "logprobs": 0})

@@ -29,7 +29,7 @@ from splitserve_workers.router.flow import (
     FlowStats,
     TokenChunk,
 )
-from test_router_core import fake_pool
+from test_router_core import ScriptedCall, fake_pool
 
 # ---- status and token counters at the HTTP edge ---------------------------------------------
 
@@ -106,26 +106,6 @@ async def test_a_request_that_fails_counts_its_status_and_no_refused_tokens(
 # ---- the TTFT stage split -------------------------------------------------------------------
 
 
-class _Call:
-    """A streaming call's answer: the given events, then `error` if any."""
-
-    def __init__(self, events: list[Any], error: Exception | None = None) -> None:
-        self.events, self.error = list(events), error
-
-    def __aiter__(self) -> _Call:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self.events:
-            return self.events.pop(0)
-        if self.error is not None:
-            raise self.error
-        raise StopAsyncIteration
-
-    def cancel(self) -> bool:
-        return False
-
-
 class _Prefill:
     """Sends the first token each time; the first call's KV transfer then fails on the decode
     side (the decode worker died), the next one's is done."""
@@ -133,7 +113,7 @@ class _Prefill:
     def __init__(self) -> None:
         self.calls = 0
 
-    def Prefill(self, req: pb.PrefillRequest) -> _Call:
+    def Prefill(self, req: pb.PrefillRequest) -> ScriptedCall:
         self.calls += 1
         first = pb.PrefillEvent(
             first_token=pb.FirstToken(token_id=7, queue_seconds=0.001, compute_seconds=0.002)
@@ -145,9 +125,9 @@ class _Prefill:
                 grpc.aio.Metadata(),
                 details=kv_transfer_failed(req.decode_endpoint, "Socket closed"),
             )
-            return _Call([first], failed)
+            return ScriptedCall([first], failed)
         done = pb.PrefillEvent(transfer_done=pb.TransferDone(transfer_seconds=0.001, bytes=64))
-        return _Call([first, done])
+        return ScriptedCall([first, done])
 
     async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
         return pb.AbortResponse()
@@ -163,8 +143,8 @@ class _Decode:
         await asyncio.sleep(self.wait)
         return pb.ReserveResponse(accepted=True, free_blocks=10)
 
-    def Generate(self, req: pb.GenerateRequest) -> _Call:
-        return _Call([pb.TokenEvent(token_ids=[8], finished=True, finish_reason="length")])
+    def Generate(self, req: pb.GenerateRequest) -> ScriptedCall:
+        return ScriptedCall([pb.TokenEvent(token_ids=[8], finished=True, finish_reason="length")])
 
     async def Abort(self, req: pb.AbortRequest, timeout: float) -> pb.AbortResponse:
         return pb.AbortResponse()
@@ -195,13 +175,13 @@ async def test_decode_admission_adds_every_wait_before_the_first_token() -> None
     # The first attempt's prefill worker fails before its first token: the first token waited
     # for both reservations.
     class _PrefillFailsFirst(_Prefill):
-        def Prefill(self, req: pb.PrefillRequest) -> _Call:
+        def Prefill(self, req: pb.PrefillRequest) -> ScriptedCall:
             self.calls += 1
             if self.calls == 1:
                 lost = grpc.aio.AioRpcError(
                     grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata()
                 )
-                return _Call([], lost)
+                return ScriptedCall([], lost)
             return super().Prefill(req)
 
     prefill = fake_pool("prefill", {"p:1": (64, 64), "q:1": (64, 64)})
@@ -221,8 +201,8 @@ async def test_decode_admission_adds_every_wait_before_the_first_token() -> None
 
 
 class _Colocated:
-    def Complete(self, req: Any, **_: Any) -> _Call:
-        return _Call(
+    def Complete(self, req: Any, **_: Any) -> ScriptedCall:
+        return ScriptedCall(
             [
                 pb.TokenEvent(token_ids=[7]),
                 pb.TokenEvent(token_ids=[8], finished=True, finish_reason="length"),

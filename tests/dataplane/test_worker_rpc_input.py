@@ -199,16 +199,11 @@ async def test_decode_refuses_a_first_token_its_grammar_refuses(workers, datapla
     assert "breaks its grammar" not in decode.log()  # the caller's error, not logged as ours
 
 
-@pytest.mark.parametrize("then_abort", [True, False])
-async def test_a_cut_stream_the_routers_abort_follows_is_routine(workers, dataplane, then_abort):
-    """A request that ends with its first token has the router cancel the prefill call and
-    Abort the reservation at once; the prefill worker's cut of the KV stream can reach decode
-    first. Followed by the Abort it is counted as that routine abort; alone, as `stream_cut`."""
-    decode = workers["decode"]
+async def cut_stream(dataplane, decode, rid: str) -> None:
+    """Reserves `rid`, sends one chunk and cancels the stream; returns once the blocks are
+    back (the cut was handled)."""
     initial = await free_blocks(dataplane, decode.endpoint)
-    rid = f"cut-abort-{then_abort}"
     kv = await reserve(dataplane, decode.endpoint, rid)
-    cuts = rejected(decode, "stream_cut")
     sent = asyncio.Event()
 
     async def half() -> AsyncIterator[pb.KVChunk]:
@@ -221,18 +216,54 @@ async def test_a_cut_stream_the_routers_abort_follows_is_routine(workers, datapl
     await asyncio.sleep(0.2)
     call.cancel()
     await wait_free(dataplane, decode.endpoint, initial)  # freed at once, verdict or not
-    if then_abort:
-        await dataplane.decode(decode.endpoint).Abort(pb.AbortRequest(request_id=rid))
+
+
+async def verdict(decode, rid: str) -> str:
+    """The log line that judged `rid`'s failed transfer (it comes CUT_GRACE_S after a cut)."""
     line = f"transfer {rid} failed"
-    for _ in range(1200):  # the verdict comes CUT_GRACE_S after the cut; a bound, not a timing
-        if line in decode.log():
-            break
+    for _ in range(1200):  # a bound on waiting, not a timing
+        found = [x for x in decode.log().splitlines() if line in x]
+        if found:
+            return found[0]
         await asyncio.sleep(0.1)
-    verdict = next(x for x in decode.log().splitlines() if line in x)
-    if then_abort:
-        assert "then aborted by the router" in verdict and "WARNING" not in verdict, verdict
-        assert rejected(decode, "stream_cut") == cuts
-    else:
-        # (a cancelled stream ends, to the grpc.aio handler, like one closed early)
-        assert "without the last chunk" in verdict and "WARNING" in verdict, verdict
-        assert rejected(decode, "stream_cut") == cuts + 1
+    raise AssertionError(f"no verdict on {rid}")
+
+
+async def test_a_cut_stream_the_routers_routine_abort_follows_is_no_fault(workers, dataplane):
+    """A request that ends with its first token has the router cancel the prefill call and
+    Abort the reservation (routine=True) at once; the prefill worker's cut of the KV stream
+    can reach decode first. Such an Abort, arriving while the cut awaits its verdict, finds
+    it (found=True) and the cut is counted as that routine abort, logged at INFO. An Abort
+    that came too late finds nothing (the verdict was given): the attempt is made again."""
+    decode = workers["decode"]
+    cuts = rejected(decode, "stream_cut")
+    judged = 0
+    for attempt in range(10):
+        rid = f"cut-routine-{attempt}"
+        await cut_stream(dataplane, decode, rid)
+        abort = pb.AbortRequest(request_id=rid, routine=True)
+        if (await dataplane.decode(decode.endpoint).Abort(abort)).found:
+            line = await verdict(decode, rid)
+            assert "then aborted by the router" in line and " INFO " in line, line
+            judged += 1
+            break
+        cuts += 1  # judged a stream_cut before the Abort came
+    assert judged, "no routine Abort reached a cut within its grace in 10 tries"
+    assert rejected(decode, "stream_cut") == cuts
+
+
+@pytest.mark.parametrize("abort", [False, None])
+async def test_a_cut_stream_is_a_fault_unless_a_routine_abort_follows(workers, dataplane, abort):
+    """Alone, or followed by the Abort the router sends after a failed attempt (routine=False:
+    a prefill worker that died mid-transfer, say), a cut KV stream is a `stream_cut` fault."""
+    decode = workers["decode"]
+    rid = f"cut-fault-{abort}"
+    cuts = rejected(decode, "stream_cut")
+    await cut_stream(dataplane, decode, rid)
+    if abort is not None:
+        stub = dataplane.decode(decode.endpoint)
+        assert not (await stub.Abort(pb.AbortRequest(request_id=rid, routine=abort))).found
+    line = await verdict(decode, rid)
+    # (a cancelled stream ends, to the grpc.aio handler, like one closed early)
+    assert "without the last chunk" in line and " WARNING " in line, line
+    assert rejected(decode, "stream_cut") == cuts + 1

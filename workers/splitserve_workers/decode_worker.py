@@ -61,6 +61,8 @@ class DecodeRole:
         self.reservations = Reservations(self._release, lease_s=worker.settings.lease_s)
         # Reserve calls still in the engine: request id -> aborted meanwhile (Abort came first).
         self._reserving: dict[str, bool] = {}
+        # Cut streams awaiting their verdict (CUT_GRACE_S): id(reservation) -> (timer, it).
+        self._cut_verdicts: dict[int, tuple[asyncio.TimerHandle, Reservation]] = {}
         self._active = 0
         # Until then background reservations stand back (see INTERACTIVE_HOLD_S).
         self._interactive_waits_until = 0.0
@@ -107,6 +109,9 @@ class DecodeRole:
 
     async def close(self) -> None:
         self._sweeper.cancel()
+        for timer, res in list(self._cut_verdicts.values()):  # no cut goes unreported
+            timer.cancel()
+            self._report_cut(res)
         self.reservations.fail_all(
             Failure(grpc.StatusCode.UNAVAILABLE, "decode worker shutting down", "shutdown"),
             time.monotonic(),
@@ -241,7 +246,8 @@ class DecodeRole:
         if self.reservations.fail(res, Failure(code, message, reason), time.monotonic()):
             if reason == "stream_cut":
                 # The blocks are free already; only the verdict waits for a racing Abort.
-                asyncio.get_running_loop().call_later(CUT_GRACE_S, self._report_cut, res)
+                timer = asyncio.get_running_loop().call_later(CUT_GRACE_S, self._report_cut, res)
+                self._cut_verdicts[id(res)] = (timer, res)
             else:
                 self._report(res, reason, message)
 
@@ -254,6 +260,7 @@ class DecodeRole:
         log.log(level, "transfer %s failed: %s", res.request_id, message)
 
     def _report_cut(self, res: Reservation) -> None:
+        self._cut_verdicts.pop(id(res), None)
         assert res.failure is not None
         if res.aborted:
             self._report(res, "aborted", f"{res.failure.message}, then aborted by the router")
@@ -512,8 +519,9 @@ class DecodeRole:
         if res is not None and res.state is not State.FAILED:
             self._fail(res, grpc.StatusCode.CANCELLED, "aborted by the router", "aborted")
             return pb.AbortResponse(found=True)
-        if res is not None:
-            res.aborted = True  # a cut stream this Abort follows was routine (CUT_GRACE_S)
+        if res is not None and request.routine and id(res) in self._cut_verdicts:
+            res.aborted = True  # the cut stream this Abort follows was routine (CUT_GRACE_S)
+            return pb.AbortResponse(found=True)
         if request.request_id in self._reserving:  # freed as soon as the engine call returns
             self._reserving[request.request_id] = True
             return pb.AbortResponse(found=True)

@@ -509,10 +509,9 @@ class LLMEngine:
                 grammar_error = grammar_error.split("\n")[0]
                 reason = "error"
             elif reason != "prefill_done":
+                # A token sampled under the mask that the matcher then refuses is this
+                # engine's fault, not the request's: "error" without a grammar_error (a 502).
                 reason = self._advance_grammar(seq, token) or reason
-                if reason == "error":
-                    why = seq.matcher.get_error().strip().split("\n")[0]
-                    grammar_error = why or f"token {token} breaks it"
         if reason is not None:
             self._finish(seq, reason)
         out = self._output(seq, token, logprob)

@@ -228,12 +228,12 @@ async def finish_aborts() -> None:
         _aborts_closing = False  # a router started later in this process retries again
 
 
-async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
+async def _abort(worker: Worker, request_id: str, timeout: float, routine: bool = False) -> None:
     give_up = time.monotonic() + ABORT_RETRY_WINDOW_S
     while True:
         try:
             await worker.stub.Abort(
-                serving_pb2.AbortRequest(request_id=request_id), timeout=timeout
+                serving_pb2.AbortRequest(request_id=request_id, routine=routine), timeout=timeout
             )
             return
         except grpc.aio.AioRpcError as e:
@@ -742,9 +742,11 @@ class Flow:
                     if chunk.finished:
                         return
             except grpc.aio.AioRpcError as e:
-                self.decode.mark_failed(decode.load.endpoint, _rpc_reason(e))
+                what = "refused the request" if _refused(e) else "failed mid-stream"
+                if not _refused(e):  # a refusal of this request is no sign of a broken worker
+                    self.decode.mark_failed(decode.load.endpoint, _rpc_reason(e))
                 raise FlowError(
-                    502, f"decode worker {decode.load.endpoint} failed mid-stream: {_rpc_reason(e)}"
+                    502, f"decode worker {decode.load.endpoint} {what}: {_rpc_reason(e)}"
                 ) from e
             raise FlowError(
                 502,
@@ -762,7 +764,9 @@ class Flow:
             self._release_decode()
             if decode is not None:
                 if not decode_done:
-                    _spawn(_abort(decode, worker_rid, timeout))
+                    # The request ended here (a failed attempt aborted its own reservation
+                    # above): its prefill's KV stream, cut just now, is no fault of anyone's.
+                    _spawn(_abort(decode, worker_rid, timeout, routine=True))
 
     # ---- colocated ---------------------------------------------------------------------
 
