@@ -433,6 +433,18 @@ def test_the_tools_reach_the_chat_template(stack: dict[str, Any]) -> None:
             "response_format",
             "invalid_value",
         ),
+        # auto (the default with tools) lets the model write a call the format would forbid;
+        # the 400 names the field the format came in (it said response_format for both).
+        (
+            {"tools": TOOLS, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "invalid_value",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"choice": ["a"]}},
+            "structured_outputs",
+            "invalid_value",
+        ),
         (
             {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]},
             "messages[0].tool_calls[0]",
@@ -479,6 +491,29 @@ def test_a_grammar_the_workers_cannot_start_is_a_400(
     assert err["param"] == "structured_outputs.regex"
     assert err["message"].startswith("'structured_outputs.regex' cannot be used: ")
     assert err["message"].endswith(why) and "log" not in err["message"]
+
+
+@pytest.mark.parametrize("pool", ["base", "colocated"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_parser_fails_on_after_its_first_token_is_a_400(
+    stack: dict[str, Any], pool: str, stream: bool
+) -> None:
+    # 500 optional properties compile and allow "{", but consuming it takes llguidance's
+    # Earley parser past its 2000 items per row. The prefill worker feeds its first token to
+    # its own matcher, so the request is refused before that token goes out (it was a 502,
+    # "first_token: ... is not allowed", from the decode worker after the 200 had started).
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}
+    body = {
+        "prompt": "x",
+        "max_tokens": 5,
+        "stream": stream,
+        "structured_outputs": {"json": schema},
+    }
+    r = httpx.post(stack[pool] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = _error(r)
+    assert err["param"] == "structured_outputs.json", err
+    assert "max is 2000" in err["message"] and err["message"].endswith("(at the first token)")
 
 
 def test_a_grammar_complete_at_max_tokens_is_a_stop(stack: dict[str, Any]) -> None:

@@ -172,6 +172,33 @@ def test_a_first_token_outside_the_grammar_is_refused(
     assert b.stats().free_blocks == b.num_kv_blocks
 
 
+def test_a_grammar_that_fails_on_its_first_token_is_refused_on_both_sides(
+    make_engine: Callable[..., LLMEngine], prompt_ids: Callable[..., list[int]]
+) -> None:
+    # 500 optional properties allow "{", but consuming it takes llguidance's parser past 2000
+    # items per row: the request's fault (its grammar), told apart from a token the grammar
+    # refuses. A prefill-only request reports it on its first token; start_decode refuses it.
+    props = {f"p{i}": {"type": "integer"} for i in range(500)}
+    params = SamplingParams(
+        max_tokens=4, grammar=G.json_schema({"type": "object", "properties": props})
+    )
+    a = make_engine()
+    prompt = prompt_ids(a, 10)
+    collector = KVCollector(a.model_config.num_layers, len(prompt))
+    a.add_request("r1", prompt, params, prefill_only=True, on_kv=collector)
+    (out,) = run(a)
+    assert out.finish_reason == "error" and "max is 2000" in (out.grammar_error or "")
+    b = make_engine()
+    assert b.reserve("r1", len(prompt))
+    for layer, start, k, v in collector.chunks:
+        b.import_kv("r1", layer, start, k, v)
+    brace = b.tokenizer.encode("{", add_special_tokens=False)[0]
+    with pytest.raises(ValueError, match=r"^grammar: .*max is 2000.*\(at the first token\)$"):
+        b.start_decode("r1", prompt, brace, params)
+    b.release("r1")
+    assert b.stats().free_blocks == b.num_kv_blocks
+
+
 def test_bad_grammars_are_refused_naming_the_field(make_engine: Callable[..., LLMEngine]) -> None:
     with pytest.raises(G.GrammarError, match="objekt"):
         G.json_schema({"type": "objekt"})

@@ -504,10 +504,24 @@ class LLMEngine:
             if seq.matcher.is_error():
                 # Failed while computing this step's mask (a limit it hit): its mask allowed
                 # only EOS, so the token is no answer; never report that as "stop".
-                grammar_error = seq.matcher.get_error().strip()
-                log.error("request %s: grammar failed: %s", seq.request_id, grammar_error)
-                grammar_error = grammar_error.split("\n")[0]
+                # The request's grammar at fault (the caller is told why): no ERROR, and the
+                # parser's state dump, which quotes the client's grammar, only at debug.
+                dump = seq.matcher.get_error().strip()
+                log.debug("request %s: grammar failed: %s", seq.request_id, dump)
+                grammar_error = dump.split("\n")[0]
+                log.info("request %s: grammar failed: %s", seq.request_id, grammar_error)
                 reason = "error"
+            elif seq.num_output_tokens == 1:
+                # The first token (a prefill worker's too: the decode side's matcher starts by
+                # consuming it, so a grammar that fails on it is refused before it goes out).
+                refused, failed = self._feed_first(seq, token)
+                if failed is not None:
+                    grammar_error, reason = failed, "error"
+                elif refused:  # sampled under the mask: this engine's fault (a 502)
+                    log.error("request %s: token %d breaks its grammar", seq.request_id, token)
+                    reason = "error"
+                elif reason != "prefill_done" and seq.matcher.is_stopped():
+                    reason = "stop"
             elif reason != "prefill_done":
                 # A token sampled under the mask that the matcher then refuses is this
                 # engine's fault, not the request's: "error" without a grammar_error (a 502).
@@ -524,14 +538,27 @@ class LLMEngine:
         return out
 
     @staticmethod
-    def _advance_grammar(seq: Sequence, token: int, imported: bool = False) -> str | None:
+    def _feed_first(seq: Sequence, token: int) -> tuple[bool, str | None]:
+        """Feeds a request's first output token to its matcher, telling a token the grammar
+        refuses (True, None) from a grammar that fails on a token it allows: a limit of
+        llguidance's parser, such as an Earley row past 2000 items for a schema of hundreds of
+        optional properties (False, its reason). (False, None): taken."""
+        if not seq.matcher.validate_tokens([token]):
+            return True, None
+        if not seq.matcher.consume_token(token) or seq.matcher.is_error():
+            why = seq.matcher.get_error().strip()
+            log.debug("request %s: grammar failed at the first token: %s", seq.request_id, why)
+            return False, why.split("\n")[0] or f"token {token} breaks it"
+        return False, None
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> str | None:
         """Feeds an output token to the sequence's matcher: "stop" once the grammar is complete
         (nothing but EOS could follow), "error" for a token it refuses (never sampled under
-        its mask: a matcher that failed; an `imported` first token, which start_decode refuses
-        and whose parser state is not this worker's fault to log)."""
+        its mask: a matcher that failed)."""
         # consume_token accepts EOS from a matcher in an error state: check is_error too.
         if not seq.matcher.consume_token(token) or seq.matcher.is_error():
-            (log.debug if imported else log.error)(
+            log.error(
                 "request %s: token %d breaks its grammar: %s",
                 seq.request_id,
                 token,
@@ -728,14 +755,18 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
         grammar_reason = None
         if seq.matcher is not None:
-            # The prefill worker sampled first_token under the same grammar's mask, so a token
-            # it refuses is the caller's error (INVALID_ARGUMENT), not a generation that ends
-            # with finish_reason "error". The sequence is not registered yet: nothing to undo.
-            grammar_reason = self._advance_grammar(seq, first_token, imported=True)
-            if grammar_reason == "error":
+            # The prefill worker sampled first_token under the same grammar's mask (and fed it
+            # to its own matcher), so a token it refuses, or one the grammar fails on, is the
+            # caller's error (INVALID_ARGUMENT), not a generation that ends with
+            # finish_reason "error". The sequence is not registered yet: nothing to undo.
+            refused, failed = self._feed_first(seq, first_token)
+            if refused:
                 raise ValueError(
                     f"first_token: {first_token} is not allowed by the request's grammar"
                 )
+            if failed is not None:
+                raise ValueError(f"grammar: {failed} (at the first token)")
+            grammar_reason = "stop" if seq.matcher.is_stopped() else None
         with self._lock:
             r = self._reservations.get(request_id)
             if r is None:

@@ -742,6 +742,8 @@ class Flow:
                     if chunk.finished:
                         return
             except grpc.aio.AioRpcError as e:
+                if (refused := _grammar_refused(e, req.grammar_param)) is not None:
+                    raise refused from e  # the grammar fails on the first token (a limit)
                 what = "refused the request" if _refused(e) else "failed mid-stream"
                 if not _refused(e):  # a refusal of this request is no sign of a broken worker
                     self.decode.mark_failed(decode.load.endpoint, _rpc_reason(e))
