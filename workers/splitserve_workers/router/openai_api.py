@@ -905,10 +905,17 @@ def _tool_choice(body: dict[str, Any], req: GenerationRequest, tool_parser: str 
             code="unsupported_parameter",
         )
     if req.grammar is not None:
+        # The field the constraint came from: response_format or structured_outputs.
+        field = (req.grammar_param or "response_format").split(".")[0]
+        how = (
+            "the model may answer with a tool call, which the format would not let it write"
+            if choice == "auto"
+            else "'tool_choice' makes the answer a tool call"
+        )
         raise invalid(
-            "response_format",
-            "'response_format' / 'structured_outputs' cannot constrain an answer that "
-            "'tool_choice' makes a tool call",
+            field,
+            f"'{field}' cannot be combined with tools when {how}; send 'tool_choice': 'none' "
+            "to hold the answer to the format without calls",
         )
     if choice == "auto":  # free text; tool_parsers finds the calls in it
         req.tools, req.tool_choice, req.tool_parser = tools, "auto", tool_parser
