@@ -114,6 +114,12 @@ async def test_models_retrieve_by_id(client: TestClient) -> None:
     assert r.status == 404
     error = (await r.json())["error"]
     assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "'org/other' does not exist" in error["message"]
+    # A long name is echoed cut short (it was echoed whole, and logged whole).
+    r = await client.post("/v1/completions", json={"model": "x" * 300000, "prompt": "hi"})
+    assert r.status == 404
+    message = (await r.json())["error"]["message"]
+    assert f"'{'x' * 80}... (300000 characters)'" in message and len(message) < 200
 
 
 async def test_body_not_matching_its_content_encoding_is_a_400(client: TestClient) -> None:

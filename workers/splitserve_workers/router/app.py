@@ -319,9 +319,11 @@ class Router:
     def _check_model(self, name: str) -> None:
         """404 model_not_found unless `name` is the model this router serves."""
         if name != self.options.model_name:
+            # Echoed cut short, as other values are: the body may carry megabytes of it.
+            shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"
             raise api.APIError(
                 404,
-                f"The model '{name}' does not exist; this server serves "
+                f"The model '{shown}' does not exist; this server serves "
                 f"'{self.options.model_name}'",
                 param="model",
                 code="model_not_found",
