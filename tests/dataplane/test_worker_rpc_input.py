@@ -43,6 +43,15 @@ def leased(launch_module_worker, tiny_model: Path, worker_flags):
     return launch_module_worker("decode", flags, name="decode-short-lease")
 
 
+@pytest.fixture(scope="module")
+def cutter(launch_module_worker, tiny_model: Path, worker_flags):
+    """A decode worker for the cut-stream tests alone: their counts of `stream_cut` must not
+    see the verdicts on other tests' cuts (the Abort test cuts a KV stream per attempt), which
+    come CUT_GRACE_S after them."""
+    flags = worker_flags(tiny_model, "--num-kv-blocks", "64", "--lease-seconds", "600")
+    return launch_module_worker("decode", flags, name="decode-cuts")
+
+
 def unary_request_methods() -> list[tuple[str, str, bool]]:
     """(role, method, server-streaming) for every RPC whose request is a single message."""
     out = []
@@ -229,13 +238,13 @@ async def verdict(decode, rid: str) -> str:
     raise AssertionError(f"no verdict on {rid}")
 
 
-async def test_a_cut_stream_the_routers_routine_abort_follows_is_no_fault(workers, dataplane):
+async def test_a_cut_stream_the_routers_routine_abort_follows_is_no_fault(cutter, dataplane):
     """A request that ends with its first token has the router cancel the prefill call and
     Abort the reservation (routine=True) at once; the prefill worker's cut of the KV stream
     can reach decode first. Such an Abort, arriving while the cut awaits its verdict, finds
     it (found=True) and the cut is counted as that routine abort, logged at INFO. An Abort
     that came too late finds nothing (the verdict was given): the attempt is made again."""
-    decode = workers["decode"]
+    decode = cutter
     cuts = rejected(decode, "stream_cut")
     judged = 0
     for attempt in range(10):
@@ -253,10 +262,10 @@ async def test_a_cut_stream_the_routers_routine_abort_follows_is_no_fault(worker
 
 
 @pytest.mark.parametrize("abort", [False, None])
-async def test_a_cut_stream_is_a_fault_unless_a_routine_abort_follows(workers, dataplane, abort):
+async def test_a_cut_stream_is_a_fault_unless_a_routine_abort_follows(cutter, dataplane, abort):
     """Alone, or followed by the Abort the router sends after a failed attempt (routine=False:
     a prefill worker that died mid-transfer, say), a cut KV stream is a `stream_cut` fault."""
-    decode = workers["decode"]
+    decode = cutter
     rid = f"cut-fault-{abort}"
     cuts = rejected(decode, "stream_cut")
     await cut_stream(dataplane, decode, rid)
